@@ -1,0 +1,1 @@
+"""sglang-gateway: a request gateway in front of SGLang inference servers."""

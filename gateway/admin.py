@@ -1,0 +1,36 @@
+"""The gateway's own endpoints, on their own listener so they never shadow SGLang's routes.
+
+/livez: the process and its event loop answer. /readyz: config loaded, not draining, and
+at least one backend seen healthy. /metrics: Prometheus text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from aiohttp import web
+
+
+def make_admin_app(
+    *, ready: Callable[[], tuple[bool, str]], metrics: Callable[[], tuple[bytes, str]]
+) -> web.Application:
+    async def livez(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readyz(_: web.Request) -> web.Response:
+        ok, why = ready()
+        return web.json_response(
+            {"status": "ready" if ok else "not_ready", "reason": why}, status=200 if ok else 503
+        )
+
+    async def metrics_handler(_: web.Request) -> web.Response:
+        body, content_type = metrics()
+        resp = web.Response(body=body)
+        resp.headers["Content-Type"] = content_type
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/livez", livez)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics_handler)
+    return app

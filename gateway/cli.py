@@ -1,0 +1,145 @@
+"""Command line: thin on purpose. Parse flags -> build the frozen config -> serve.
+
+sglang-gateway --backend http://127.0.0.1:30000 --port 8080
+sglang-gateway --config config/gateway.yaml [--check-config]
+sglang-gateway demo          # the bundled stub backend and a gateway in front of it
+sglang-gateway stub --port 30000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+from aiohttp import http_parser
+
+from gateway import config as config_mod
+from gateway.config import ConfigError, GatewayConfig
+
+EXIT_CONFIG = 2
+_MIN_AIOHTTP = (3, 14, 2)
+
+log = logging.getLogger("gateway")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="sglang-gateway",
+        description="Request gateway for SGLang: enforces the sampling-mask contract and "
+        "forwards everything else byte for byte. Subcommands: 'demo' (stub + gateway), "
+        "'stub' (the bundled SGLang-compatible stub backend).",
+    )
+    p.add_argument("--config", metavar="FILE", help="YAML config file (see config/)")
+    p.add_argument(
+        "--backend",
+        action="append",
+        metavar="URL",
+        help="SGLang server URL (repeatable); replaces backends.static from the file",
+    )
+    p.add_argument("--host", help="listen address (listen.host)")
+    p.add_argument("--port", type=int, help="listen port (listen.port)")
+    p.add_argument("--admin-port", type=int, help="admin listener port (admin.port)")
+    p.add_argument(
+        "--log-level", choices=["debug", "info", "warning", "error"], help="logging.level"
+    )
+    p.add_argument(
+        "--check-config", action="store_true", help="validate the config, print it and exit"
+    )
+    return p
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if args.backend:
+        out["backends.static"] = list(args.backend)
+    if args.host is not None:
+        out["listen.host"] = args.host
+    if args.port is not None:
+        out["listen.port"] = args.port
+    if args.admin_port is not None:
+        out["admin.port"] = args.admin_port
+    if args.log_level is not None:
+        out["logging.level"] = args.log_level
+    return out
+
+
+def check_runtime() -> str | None:
+    """Refuse to run on an aiohttp without its C HTTP parser or older than 3.14.2.
+
+    The pure-Python parser is slower and has had request-smuggling bugs the C one did
+    not; a filter in front of SGLang must not run on it unnoticed.
+    """
+    version = tuple(int(x) for x in aiohttp.__version__.split(".")[:3] if x.isdigit())
+    if version < _MIN_AIOHTTP:
+        return f"aiohttp {aiohttp.__version__} is too old; 3.14.2 or newer is required"
+    c_parser = getattr(http_parser, "HttpRequestParserC", None)
+    if c_parser is None or http_parser.HttpRequestParser is not c_parser:
+        return (
+            "aiohttp's C HTTP parser is not in use (AIOHTTP_NO_EXTENSIONS set, or a build "
+            "without extensions); refusing to start"
+        )
+    return None
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # The access log is one JSON line per request: print it bare, on stdout.
+    access = logging.getLogger("gateway.access")
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    access.addHandler(handler)
+    access.propagate = False
+
+
+def run_loop(main: Any) -> None:
+    try:
+        import uvloop  # noqa: PLC0415 - optional speed-up, imported only when running
+
+        uvloop.run(main)
+    except ImportError:
+        asyncio.run(main)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "stub":
+        from gateway import stub  # noqa: PLC0415 - the stub is only loaded when asked for
+
+        stub.main(argv[1:])
+        return 0
+    if argv and argv[0] == "demo":
+        from gateway import demo  # noqa: PLC0415
+
+        return demo.main(argv[1:])
+
+    args = _parser().parse_args(argv)
+    try:
+        cfg: GatewayConfig = config_mod.load(args.config, _overrides(args))
+    except ConfigError as exc:
+        print(f"sglang-gateway: invalid config:\n{exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.check_config:
+        print(cfg.model_dump_json(indent=2))
+        return 0
+    problem = check_runtime()
+    if problem:
+        print(f"sglang-gateway: {problem}", file=sys.stderr)
+        return 1
+    setup_logging(cfg.logging.level)
+    from gateway.server import serve  # noqa: PLC0415 - keeps --check-config light
+
+    try:
+        run_loop(serve(cfg))
+    except OSError as exc:
+        log.error("cannot start: %s", exc)
+        return 1
+    return 0

@@ -1,0 +1,241 @@
+"""Gateway configuration: YAML in, frozen validated models out.
+
+A typo in a gateway's config is an outage, so unknown keys are errors, every value is
+checked at start-up, and a failure names the field path, the value and the reason.
+Defaults are chosen for LLM traffic: long time-to-first-byte (prefill of a 100k-token
+prompt takes time), large bodies (RL rollouts send token-id lists), no total deadline.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
+
+from gateway.policy import TOP_K_ALL
+from gateway.routes import GENERATION_ROUTES, canonical_path
+
+
+class ConfigError(Exception):
+    """A config that cannot be used; `str()` lists every problem, one per line."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+def _backend_url(value: str) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https"):
+        raise ValueError("must be an http:// or https:// URL")
+    if not parts.hostname:
+        raise ValueError("must name a host")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError("must be scheme://host:port only, with no path, query or fragment")
+    if parts.username or parts.password:
+        raise ValueError("must not carry credentials; configure them separately")
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError("has an invalid port") from exc
+    host = parts.hostname
+    if ":" in host:
+        host = f"[{host}]"
+    default_port = 443 if parts.scheme == "https" else 80
+    return f"{parts.scheme}://{host}:{port or default_port}"
+
+
+def _route_path(value: str) -> str:
+    if not value.startswith("/") or canonical_path(value) != value:
+        raise ValueError("must be an absolute, decoded path without a trailing slash")
+    return value
+
+
+def _cidr(value: str) -> str:
+    try:
+        ipaddress.ip_network(value, strict=False)
+    except ValueError as exc:
+        raise ValueError("must be an IP address or CIDR network") from exc
+    return value
+
+
+BackendUrl = Annotated[str, AfterValidator(_backend_url)]
+RoutePath = Annotated[str, AfterValidator(_route_path)]
+Cidr = Annotated[str, AfterValidator(_cidr)]
+Seconds = Annotated[float, Field(gt=0, le=86400)]
+Port = Annotated[int, Field(ge=0, le=65535)]
+
+
+class ListenConfig(_Model):
+    host: str = "0.0.0.0"  # a proxy listens for other hosts by design
+    port: Port = 8080
+
+
+class AdminConfig(_Model):
+    # Probes and metrics: loopback by default so they are not exposed by accident.
+    host: str = "127.0.0.1"
+    port: Port = 8081
+
+
+class HealthConfig(_Model):
+    enabled: bool = True
+    # SGLang's /health runs a one-token generation: slow under load, so probe gently.
+    path: RoutePath = "/health"
+    interval_s: Seconds = 5.0
+    timeout_s: Seconds = 10.0
+    healthy_threshold: Annotated[int, Field(ge=1, le=100)] = 1
+    unhealthy_threshold: Annotated[int, Field(ge=1, le=100)] = 3
+
+
+class BackendsConfig(_Model):
+    discovery: Literal["static"] = "static"
+    static: list[BackendUrl] = Field(default_factory=list)
+    balancer: Literal["least_inflight", "round_robin"] = "least_inflight"
+    # Attempts per request when a connection cannot be opened (nothing was sent yet).
+    connect_attempts: Annotated[int, Field(ge=1, le=10)] = 3
+    health: HealthConfig = HealthConfig()
+
+    @model_validator(mode="after")
+    def _has_backends(self) -> BackendsConfig:
+        if self.discovery == "static" and not self.static:
+            raise ValueError("static discovery needs at least one URL in backends.static")
+        return self
+
+
+class TimeoutsConfig(_Model):
+    connect_s: Seconds = 5.0
+    # Time to first response byte and the longest silence between chunks of a stream.
+    read_s: Seconds = 900.0
+    # Deadline for the client to deliver a whole request body (slow-body defence).
+    body_read_s: Seconds = 60.0
+    # Idle keep-alive toward clients; also the only bound on slow request headers.
+    client_keepalive_s: Seconds = 75.0
+    # Idle pooled upstream connections are closed before SGLang's uvicorn (5 s) closes them.
+    upstream_keepalive_s: Seconds = 4.0
+    # Grace period for in-flight requests on shutdown.
+    shutdown_grace_s: Seconds = 30.0
+
+
+class LimitsConfig(_Model):
+    # 100k-token input_ids lists are ~0.6 MB; multimodal payloads are larger.
+    max_body_bytes: Annotated[int, Field(ge=1024, le=1 << 34)] = 64 << 20
+    max_connections_per_backend: Annotated[int, Field(ge=1, le=100_000)] = 4096
+    max_header_bytes: Annotated[int, Field(ge=1024, le=1 << 20)] = 16 << 10
+
+
+class SamplingMaskConfig(_Model):
+    mode: Literal["enforce", "log_only"] = "enforce"
+    # A top_k the operator knows the backend fills in when a request omits it. None: an
+    # omitted top_k counts as unbounded (fail closed).
+    default_top_k: Annotated[int, Field(ge=1, lt=TOP_K_ALL)] | None = None
+
+
+class PolicyConfig(_Model):
+    sampling_mask: SamplingMaskConfig = SamplingMaskConfig()
+
+
+class RoutesConfig(_Model):
+    # SGLang reads AIP_PREDICT_ROUTE for this path; set it to match if you changed it.
+    vertex_path: RoutePath = "/vertex_generate"
+    # Extra paths forwarded uninspected (e.g. /v1/embeddings). Generation routes refused.
+    passthrough: list[RoutePath] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _no_uninspected_generation(self) -> RoutesConfig:
+        generation = {*GENERATION_ROUTES, self.vertex_path}
+        holes = sorted(generation.intersection(self.passthrough))
+        if holes:
+            # A generation route forwarded uninspected would be a hole in the filter.
+            raise ValueError(f"generation routes cannot be passthrough: {', '.join(holes)}")
+        return self
+
+
+class ForwardingConfig(_Model):
+    # Peers whose X-Forwarded-For/-Proto are extended rather than replaced.
+    trusted_proxies: list[Cidr] = Field(default_factory=list)
+
+
+class LoggingConfig(_Model):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    access_log: bool = True
+    format: Literal["json", "text"] = "json"
+
+
+class GatewayConfig(_Model):
+    listen: ListenConfig = ListenConfig()
+    admin: AdminConfig = AdminConfig()
+    backends: BackendsConfig  # required: a gateway with no backend is a config mistake
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    limits: LimitsConfig = LimitsConfig()
+    policy: PolicyConfig = PolicyConfig()
+    routes: RoutesConfig = RoutesConfig()
+    forwarding: ForwardingConfig = ForwardingConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+
+def _loc(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def format_errors(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors(include_url=False):
+        reason = err["msg"].removeprefix("Value error, ")
+        value = err.get("input")
+        shown = "missing" if err["type"] == "missing" else repr(value)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        lines.append(f"{_loc(err['loc'])}: value {shown}: {reason}")
+    return "\n".join(lines)
+
+
+def build(data: Mapping[str, Any]) -> GatewayConfig:
+    try:
+        return GatewayConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_errors(exc)) from None
+
+
+def load(path: str | Path | None, overrides: Mapping[str, Any] | None = None) -> GatewayConfig:
+    """Read a YAML file (or nothing), apply CLI overrides (dotted keys), validate, freeze."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping")
+        data = loaded
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            child = node.get(key)
+            if not isinstance(child, dict):
+                child = {}
+                node[key] = child
+            node = child
+        node[leaf] = value
+    return build(data)

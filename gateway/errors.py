@@ -1,0 +1,62 @@
+"""Bodies of the replies the gateway makes itself, in SGLang's shape for each route family.
+
+Clients of SGLang parse its error bodies (the openai SDK reads `message` from the OpenAI
+shape; RL workers read `error.message` from /generate), so a reply from the gateway must
+look exactly like one from SGLang (sglang-contract.md section 6). Messages never name a
+backend address or carry exception text from inside the gateway.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import orjson
+
+from gateway.policy import Rejection
+from gateway.routes import Family
+
+# OpenAI-shape `type` values SGLang uses.
+BAD_REQUEST_ERROR: Final = "BadRequestError"  # a rule in SGLang's serving code refused it
+BAD_REQUEST: Final = "Bad Request"  # JSON or model validation refused it
+
+_OPENAI_TYPES: Final = {
+    400: BAD_REQUEST_ERROR,
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowed",
+    413: "RequestEntityTooLarge",
+    415: "UnsupportedMediaType",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    502: "BadGateway",
+    503: "ServiceUnavailable",
+    504: "GatewayTimeout",
+}
+
+
+def render(family: Family, status: int, message: str, error_type: str | None = None) -> bytes:
+    """The JSON body of a gateway-made reply."""
+    if family is Family.GENERATE:
+        return orjson.dumps({"error": {"message": message}})
+    if family is Family.OPENAI:
+        return orjson.dumps(
+            {
+                "object": "error",
+                "message": message,
+                "type": error_type or _OPENAI_TYPES.get(status, "Error"),
+                "param": None,
+                "code": status,
+            }
+        )
+    return orjson.dumps({"detail": message})
+
+
+def render_rejection(family: Family, rejection: Rejection) -> bytes:
+    if rejection.validation:
+        # SGLang's validation handler answers in the OpenAI shape on every route.
+        return render(Family.OPENAI, rejection.status, rejection.message, BAD_REQUEST)
+    return render(family, rejection.status, rejection.message)
+
+
+NOT_FOUND: Final = orjson.dumps({"detail": "Not Found"})
+METHOD_NOT_ALLOWED: Final = orjson.dumps({"detail": "Method Not Allowed"})

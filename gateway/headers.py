@@ -1,0 +1,114 @@
+"""Which headers cross the proxy, both ways (RFC 9110 section 7.6.1).
+
+Hop-by-hop headers describe one connection and must not be forwarded; neither may the
+framing headers (Content-Length, Transfer-Encoding), which the proxy sets afresh for the
+bytes it actually sends. Forwarding headers are rebuilt from what the gateway saw, so a
+client cannot claim to be someone else unless it is a configured trusted proxy.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Iterable, Mapping
+from typing import Final
+
+HOP_BY_HOP: Final = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+# Set by the proxy for the bytes it sends, or rebuilt from what it saw.
+_REQUEST_DROP: Final = HOP_BY_HOP | {
+    "content-length",
+    "expect",
+    "x-forwarded-for",
+    "x-forwarded-proto",
+    "x-forwarded-host",
+    "forwarded",
+    "x-request-id",
+}
+_RESPONSE_DROP: Final = HOP_BY_HOP | {"x-request-id"}
+
+REQUEST_ID: Final = "X-Request-Id"
+# A client-chosen id is kept only if it is short and plain, since it lands in logs and headers.
+_REQUEST_ID_OK: Final = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}\Z")
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def _connection_tokens(headers: Iterable[tuple[str, str]]) -> frozenset[str]:
+    tokens: set[str] = set()
+    for name, value in headers:
+        if name.lower() == "connection":
+            tokens.update(t.strip().lower() for t in value.split(","))
+    return frozenset(tokens)
+
+
+def valid_request_id(value: str | None) -> bool:
+    return value is not None and _REQUEST_ID_OK.match(value) is not None
+
+
+class ForwardingPolicy:
+    """Builds upstream request headers and downstream response headers."""
+
+    __slots__ = ("_trusted",)
+
+    def __init__(self, trusted_proxies: Iterable[str] = ()) -> None:
+        self._trusted: tuple[Network, ...] = tuple(
+            ipaddress.ip_network(cidr, strict=False) for cidr in trusted_proxies
+        )
+
+    def _is_trusted(self, peer: str | None) -> bool:
+        if not self._trusted or peer is None:
+            return False
+        try:
+            addr = ipaddress.ip_address(peer)
+        except ValueError:
+            return False
+        return any(addr in net for net in self._trusted)
+
+    def upstream(
+        self,
+        headers: Mapping[str, str] | Iterable[tuple[str, str]],
+        *,
+        peer: str | None,
+        scheme: str,
+        request_id: str,
+    ) -> list[tuple[str, str]]:
+        """Request headers to send upstream: end-to-end ones kept in order, ours added."""
+        items = list(headers.items()) if isinstance(headers, Mapping) else list(headers)
+        drop = _REQUEST_DROP | _connection_tokens(items)
+        out = [(k, v) for k, v in items if k.lower() not in drop]
+        forwarded_for = peer or ""
+        forwarded_proto = scheme
+        if self._is_trusted(peer):
+            # A trusted load balancer in front: extend its chain instead of replacing it.
+            prior = [v for k, v in items if k.lower() == "x-forwarded-for"]
+            if prior:
+                forwarded_for = ", ".join([*prior, forwarded_for])
+            proto = [v for k, v in items if k.lower() == "x-forwarded-proto"]
+            if proto:
+                forwarded_proto = proto[-1]
+        out.append(("X-Forwarded-For", forwarded_for))
+        out.append(("X-Forwarded-Proto", forwarded_proto))
+        out.append((REQUEST_ID, request_id))
+        return out
+
+    @staticmethod
+    def downstream(headers: Iterable[tuple[str, str]], request_id: str) -> list[tuple[str, str]]:
+        """Response headers to send to the client; framing is re-derived by the server."""
+        items = list(headers)
+        drop = _RESPONSE_DROP | _connection_tokens(items)
+        out = [(k, v) for k, v in items if k.lower() not in drop]
+        out.append((REQUEST_ID, request_id))
+        return out

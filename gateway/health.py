@@ -1,0 +1,73 @@
+"""Active health probes: one owned task per backend, at most one probe in flight each.
+
+SGLang's /health runs a one-token generation, so under load a probe can take seconds;
+a backend is never probed again while its previous probe is still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import aiohttp
+
+from gateway.backends import Backend, BackendPool
+from gateway.config import HealthConfig
+
+log = logging.getLogger("gateway.health")
+
+
+class HealthChecker:
+    def __init__(
+        self, pool: BackendPool, session: aiohttp.ClientSession, cfg: HealthConfig
+    ) -> None:
+        self._pool = pool
+        self._session = session
+        self._cfg = cfg
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        if not self._cfg.enabled:
+            return
+        for backend in self._pool.backends:
+            self._tasks.append(
+                asyncio.create_task(self._loop(backend), name=f"health:{backend.url}")
+            )
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+
+    async def probe_once(self, backend: Backend) -> bool:
+        timeout = aiohttp.ClientTimeout(total=self._cfg.timeout_s)
+        try:
+            async with self._session.get(
+                backend.url + self._cfg.path, timeout=timeout, allow_redirects=False
+            ) as resp:
+                await resp.read()
+                ok = resp.status == 200
+                why = f"probe status {resp.status}"
+        except TimeoutError:
+            ok, why = False, "probe timed out"
+        except aiohttp.ClientError as exc:
+            ok, why = False, f"probe failed: {type(exc).__name__}"
+        if ok:
+            self._pool.probe_ok(backend)
+        else:
+            self._pool.probe_failed(backend, why)
+        return ok
+
+    async def _loop(self, backend: Backend) -> None:
+        while True:
+            try:
+                await self.probe_once(backend)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a prober must outlive any one bad probe
+                log.exception("health probe of %s crashed", backend.url)
+            await asyncio.sleep(self._cfg.interval_s)

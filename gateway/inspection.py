@@ -1,0 +1,89 @@
+"""Read an inspected request once and decide: forward the original bytes, or reject.
+
+The chain is short and ordered, and the first rejection wins (sglang-contract.md s.8):
+  1. headers: a request Content-Encoding or a non-JSON media type is refused (415);
+  2. body: parsed once with orjson, SGLang's own parser; anything it cannot read, or a
+     top level that is not an object, is refused (400): a body the gateway could not read
+     is never forwarded;
+  3. the sampling-mask policy on the parsed view.
+The parsed object is only read, never re-serialised: the proxy forwards the bytes it got.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import orjson
+
+from gateway.policy import MaskPolicy, Rejection
+from gateway.routes import Kind
+
+_JSON_SUBTYPE: Final = "json"
+
+
+def check_headers(content_type: str | None, content_encoding: str | None) -> Rejection | None:
+    """Refuse what SGLang would read differently from the gateway, before the body is read."""
+    if content_encoding is not None and content_encoding.strip().lower() not in ("", "identity"):
+        # aiohttp would inflate the body for us, but SGLang would get the compressed bytes:
+        # two readings of one request. Refuse rather than guess.
+        return Rejection(
+            415,
+            "request_body",
+            "content_encoding",
+            "Content-Encoding is not supported on requests; send an uncompressed JSON body.",
+        )
+    if not content_type:
+        return None  # FastAPI parses a body without Content-Type as JSON, and so does the gateway
+    media, _, params = content_type.partition(";")
+    media = media.strip().lower()
+    maintype, _, subtype = media.partition("/")
+    if maintype != "application" or not (
+        subtype == _JSON_SUBTYPE or subtype.endswith("+" + _JSON_SUBTYPE)
+    ):
+        return Rejection(
+            415,
+            "request_body",
+            "media_type",
+            "Unsupported media type; this route accepts application/json.",
+        )
+    if params:
+        for param in params.split(";"):
+            name, _, value = param.partition("=")
+            if name.strip().lower() == "charset" and value.strip().strip('"').lower() not in (
+                "utf-8",
+                "utf8",
+            ):
+                return Rejection(
+                    415,
+                    "request_body",
+                    "charset",
+                    "Unsupported charset; JSON bodies must be UTF-8.",
+                )
+    return None
+
+
+def parse_object(body: bytes) -> dict[str, object] | Rejection:
+    """orjson's reading of a body, which must be a JSON object."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        return Rejection(
+            400, "request_body", "invalid_json", f"Invalid JSON body: {exc}", validation=True
+        )
+    if not isinstance(obj, dict):
+        return Rejection(
+            400,
+            "request_body",
+            "not_an_object",
+            "Invalid request body: the top level must be a JSON object.",
+            validation=True,
+        )
+    return obj
+
+
+def inspect_body(kind: Kind, body: bytes, policy: MaskPolicy) -> Rejection | None:
+    """Parse an inspected route's body once and apply the policy to it."""
+    parsed = parse_object(body)
+    if isinstance(parsed, Rejection):
+        return parsed
+    return policy.check(kind, parsed)

@@ -1,0 +1,213 @@
+"""The sampling-mask contract (sglang-contract.md section 8), as plain functions.
+
+No I/O and no HTTP library here: the proxy hands in the route kind and the parsed body,
+and gets back None (forward the original bytes) or a `Rejection` to answer with.
+
+Why the rule exists: `top_p` bounds probability mass, not the number of tokens, so a
+mask for top-p-only sampling can approach the whole vocabulary per output token and
+blow up response metadata and memory. A finite `top_k` is the safety cap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from gateway.lax import Invalid, is_greedy, lax_bool, lax_int, plain_int
+from gateway.routes import Kind
+
+TOP_K_ALL: Final = 1 << 30  # SGLang's "no top-k" sentinel
+
+# SGLang 0.5.19 (PR #35205), the exact text clients and SGLang's own tests look for.
+MASK_MESSAGE: Final = (
+    "return_sampling_mask requires finite top_k; top_p-only sampling is valid but can "
+    "return huge masks in the tail, blowing up metadata, so we need a safety cap."
+)
+META_INFO_MESSAGE: Final = "return_sampling_mask requires return_meta_info=true."
+STREAM_META_INFO_MESSAGE: Final = (
+    "return_meta_info is not supported with streaming. "
+    "Please set stream=false when using return_meta_info=true."
+)
+PARALLEL_LIST_MESSAGE: Final = (
+    "return_sampling_mask must be a single bool, not a list, with parallel sampling (n > 1)."
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """A reply the gateway makes itself instead of forwarding.
+
+    `policy` and `reason` are short fixed strings: they become metric labels and the
+    access log's outcome, so they must never carry request data.
+    """
+
+    status: int
+    policy: str
+    reason: str
+    message: str
+    # SGLang answers body-validation failures in the OpenAI shape on every route, and
+    # rule failures in the route's own shape; True selects the former.
+    validation: bool = False
+
+
+def _invalid(exc: Invalid) -> Rejection:
+    return Rejection(400, "request_body", "invalid_field", str(exc), validation=True)
+
+
+def _top_k_range(k: int) -> Rejection | None:
+    # SGLang's SamplingParams.verify(): -1 is "disable", anything else below 1 is an error.
+    if k < 1 and k != -1:
+        return Rejection(
+            400,
+            "sampling_mask",
+            "invalid_top_k",
+            f"top_k must be -1 (disable) or at least 1, got {k}.",
+        )
+    return None
+
+
+def _is_unbounded(k: int | None) -> bool:
+    # Omitted/null/-1 normalise to TOP_K_ALL in SGLang; the gateway also treats anything at
+    # or above the sentinel as unbounded, since SGLang would let 2**30 + 1 through as finite.
+    return k is None or k == -1 or k >= TOP_K_ALL
+
+
+@dataclass(frozen=True, slots=True)
+class MaskPolicy:
+    """Settings of the sampling-mask rule, taken from config."""
+
+    enforce: bool = True
+    # A top_k the operator knows the backend fills in for an omitted one (the model's
+    # generation_config on chat, --preferred-sampling-params on /generate). None: fail closed.
+    default_top_k: int | None = None
+
+    def check(self, kind: Kind, body: Mapping[str, Any]) -> Rejection | None:
+        """Apply the contract to a parsed body of a route of the given kind."""
+        try:
+            if kind is Kind.GENERATE:
+                return self._check_generate(body, batch_size=_batch_size(body))
+            if kind is Kind.VERTEX:
+                return self._check_vertex(body)
+            if kind is Kind.CHAT:
+                return self._check_openai(body, chat=True)
+            if kind is Kind.COMPLETIONS or kind is Kind.RESPONSES:
+                return self._check_openai(body, chat=False)
+        except Invalid as exc:
+            return _invalid(exc)
+        return None
+
+    # -- /generate -------------------------------------------------------------------
+
+    def _check_generate(self, body: Mapping[str, Any], batch_size: int | None) -> Rejection | None:
+        """batch_size None: a single request; else the number of batch items."""
+        raw_mask = body.get("return_sampling_mask")
+        params = body.get("sampling_params")
+        if params is not None and not isinstance(params, dict | list):
+            raise Invalid("sampling_params", "must be an object or a list of objects")
+        param_list: Sequence[Any] = params if isinstance(params, list) else [params]
+        for i, p in enumerate(param_list):
+            if p is not None and not isinstance(p, dict):
+                raise Invalid(f"sampling_params[{i}]", "must be an object")
+
+        flags: list[bool]
+        if isinstance(raw_mask, list):
+            values = [lax_bool(v, f"return_sampling_mask[{i}]") for i, v in enumerate(raw_mask)]
+            if any(_parallel(p) for p in param_list) and raw_mask:
+                return Rejection(400, "sampling_mask", "parallel_mask_list", PARALLEL_LIST_MESSAGE)
+            # On a single request any non-empty list is truthy in SGLang, even [false].
+            flags = [bool(values)] if batch_size is None else [bool(v) for v in values]
+            broadcast = batch_size is None
+        else:
+            flags = [bool(lax_bool(raw_mask, "return_sampling_mask"))]
+            broadcast = True
+
+        if broadcast and not isinstance(params, list):
+            return self._check_item(params or {}, mask_on=flags[0], generate=True)
+        # Every (item, params) pairing SGLang could make is checked. Where list lengths
+        # disagree SGLang fails or broadcasts, so a missing flag counts as "any flag on" and
+        # missing params as {} (unbounded): over-refusing a malformed batch is the safe side.
+        any_on = any(flags)
+        n_items = max(batch_size or 1, len(param_list), 1 if broadcast else len(flags))
+        for i in range(n_items):
+            flag = flags[0] if broadcast else (flags[i] if i < len(flags) else any_on)
+            p = param_list[i] if i < len(param_list) else None
+            if not isinstance(params, list):
+                p = params
+            rejection = self._check_item(p or {}, mask_on=flag, generate=True)
+            if rejection is not None:
+                return rejection
+        return None
+
+    def _check_vertex(self, body: Mapping[str, Any]) -> Rejection | None:
+        # SGLang builds GenerateReqInput(**parameters) with the instances' inputs as a list,
+        # so the parameters are read as a /generate body of len(instances) items.
+        instances = body.get("instances")
+        if not isinstance(instances, list):
+            raise Invalid("instances", "Input should be a valid list")
+        parameters = body.get("parameters")
+        if parameters is None:
+            return None
+        if not isinstance(parameters, dict):
+            raise Invalid("parameters", "Input should be a valid dictionary")
+        return self._check_generate(parameters, batch_size=max(len(instances), 1))
+
+    # -- OpenAI-compatible routes ------------------------------------------------------
+
+    def _check_openai(self, body: Mapping[str, Any], *, chat: bool) -> Rejection | None:
+        # top_k, temperature and the mask flag are top-level fields here (extra_body is
+        # merged by the SDK); a literal "sampling_params" or "extra_body" key is ignored
+        # by SGLang and so by the gateway.
+        mask_on = bool(lax_bool(body.get("return_sampling_mask"), "return_sampling_mask"))
+        rejection = self._check_item(body, mask_on=mask_on, generate=False)
+        if rejection is not None or not mask_on or not chat:
+            return rejection
+        if not lax_bool(body.get("return_meta_info"), "return_meta_info"):
+            return Rejection(400, "sampling_mask", "missing_meta_info", META_INFO_MESSAGE)
+        if lax_bool(body.get("stream"), "stream"):
+            return Rejection(400, "sampling_mask", "stream_meta_info", STREAM_META_INFO_MESSAGE)
+        return None
+
+    # -- one item ----------------------------------------------------------------------
+
+    def _check_item(
+        self, params: Mapping[str, Any], *, mask_on: bool, generate: bool
+    ) -> Rejection | None:
+        if is_greedy(params.get("temperature")):
+            # SGLang forces top_k = 1 for greedy items whatever top_k says.
+            return None
+        if "top_k" in params:
+            raw = params["top_k"]
+            k = plain_int(raw, "top_k") if generate else lax_int(raw, "top_k")
+            if k is None and not generate:
+                k = self.default_top_k  # OpenAI routes: null falls back like omitted
+        else:
+            k = self.default_top_k
+        if k is not None:
+            bad = _top_k_range(k)
+            if bad is not None:
+                return bad
+        if mask_on and _is_unbounded(k):
+            return Rejection(400, "sampling_mask", "unbounded_top_k", MASK_MESSAGE)
+        return None
+
+
+def _parallel(params: object) -> bool:
+    if not isinstance(params, dict):
+        return False
+    n = params.get("n")
+    return isinstance(n, int | float) and not isinstance(n, bool) and n > 1
+
+
+def _batch_size(body: Mapping[str, Any]) -> int | None:
+    """Items in a /generate batch, or None for a single request (sglang-contract.md s.4)."""
+    text = body.get("text")
+    if isinstance(text, list):
+        return len(text)
+    for key in ("input_ids", "input_embeds"):
+        value = body.get(key)
+        if isinstance(value, list) and value and isinstance(value[0], list):
+            if key == "input_embeds" and not (value[0] and isinstance(value[0][0], list)):
+                continue  # one sequence of embedding vectors is a single request
+            return len(value)
+    return None

@@ -1,0 +1,130 @@
+"""Which SGLang route a request path names, matched the way SGLang's router matches it.
+
+SGLang serves HTTP through Starlette behind uvicorn: the path is percent-decoded once
+(`/%67enerate` is `/generate`, `%2F` is a slash) and a path with trailing slashes is
+redirected to the path without them. The gateway must classify a path exactly so, or a
+spelling the backend treats as `/generate` could slip past inspection as "unknown".
+Unknown paths are refused (404), never forwarded uninspected.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from urllib.parse import unquote
+
+
+class Kind(enum.Enum):
+    """How a route's body is read by SGLang, and so how the gateway inspects it."""
+
+    GENERATE = "generate"  # GenerateReqInput: sampling_params dict/list, batch forms
+    VERTEX = "vertex"  # {"instances": [...], "parameters": {...GenerateReqInput kwargs}}
+    CHAT = "chat"  # ChatCompletionRequest: top-level top_k/temperature/mask
+    COMPLETIONS = "completions"  # CompletionRequest: no mask field (ignored by SGLang)
+    RESPONSES = "responses"  # ResponsesRequest: read like chat, fail closed
+    PASSTHROUGH = "passthrough"  # operational routes, forwarded uninspected
+
+
+class Family(enum.Enum):
+    """The error-body shape SGLang uses on a route (sglang-contract.md section 6)."""
+
+    GENERATE = "generate"  # {"error": {"message": ...}}
+    OPENAI = "openai"  # {"object": "error", "message", "type", "param", "code"}
+    PLAIN = "plain"  # FastAPI's {"detail": ...}
+
+
+_FAMILY = {
+    Kind.GENERATE: Family.GENERATE,
+    Kind.VERTEX: Family.GENERATE,
+    Kind.CHAT: Family.OPENAI,
+    Kind.COMPLETIONS: Family.OPENAI,
+    Kind.RESPONSES: Family.OPENAI,
+    Kind.PASSTHROUGH: Family.PLAIN,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    path: str  # canonical (decoded, no trailing slash) path
+    kind: Kind
+    methods: frozenset[str]
+    family: Family
+
+    @property
+    def inspected(self) -> bool:
+        return self.kind is not Kind.PASSTHROUGH
+
+
+GENERATION_ROUTES: Mapping[str, tuple[Kind, frozenset[str]]] = {
+    "/generate": (Kind.GENERATE, frozenset({"POST", "PUT"})),
+    "/v1/chat/completions": (Kind.CHAT, frozenset({"POST"})),
+    "/invocations": (Kind.CHAT, frozenset({"POST"})),  # SageMaker alias of chat
+    "/v1/completions": (Kind.COMPLETIONS, frozenset({"POST"})),
+    "/v1/responses": (Kind.RESPONSES, frozenset({"POST"})),
+}
+
+_GET = frozenset({"GET", "HEAD"})
+OPERATIONAL_ROUTES: Mapping[str, frozenset[str]] = {
+    "/health": _GET,
+    "/health_generate": _GET,
+    "/model_info": _GET,
+    "/get_model_info": _GET,
+    "/server_info": _GET,
+    "/get_server_info": _GET,
+    "/v1/models": _GET,
+    "/metrics": _GET,
+    "/abort_request": frozenset({"POST"}),
+    "/flush_cache": frozenset({"GET", "POST"}),
+}
+
+
+def canonical_path(raw_path: str) -> str:
+    """The path SGLang's router would match for a raw request target (query excluded).
+
+    One percent-decoding pass like uvicorn's, then trailing slashes removed as Starlette's
+    redirect does (`rstrip`, so `/generate//` also lands on `/generate`).
+    """
+    path = unquote(raw_path) if "%" in raw_path else raw_path
+    if len(path) > 1 and path.endswith("/"):
+        path = path.rstrip("/") or "/"
+    return path
+
+
+class RouteTable:
+    """Immutable map from canonical path to Route, built once from config."""
+
+    __slots__ = ("_by_path",)
+
+    def __init__(
+        self,
+        *,
+        vertex_path: str = "/vertex_generate",
+        extra_passthrough: Iterable[str] = (),
+    ) -> None:
+        by_path: dict[str, Route] = {}
+        for path, (kind, methods) in GENERATION_ROUTES.items():
+            by_path[path] = Route(path, kind, methods, _FAMILY[kind])
+        by_path[vertex_path] = Route(
+            vertex_path, Kind.VERTEX, frozenset({"POST"}), _FAMILY[Kind.VERTEX]
+        )
+        for path, methods in OPERATIONAL_ROUTES.items():
+            by_path[path] = Route(path, Kind.PASSTHROUGH, methods, Family.PLAIN)
+        for path in extra_passthrough:
+            if path in by_path and by_path[path].inspected:
+                # An inspected route configured as passthrough would be a hole in the filter.
+                raise ValueError(f"{path} is a generation route and cannot be passthrough")
+            by_path[path] = Route(
+                path,
+                Kind.PASSTHROUGH,
+                frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH"}),
+                Family.PLAIN,
+            )
+        self._by_path = by_path
+
+    def match(self, raw_path: str) -> Route | None:
+        """The route for a raw path (without query), or None for an unknown path."""
+        route = self._by_path.get(raw_path)
+        if route is not None:
+            return route
+        return self._by_path.get(canonical_path(raw_path))

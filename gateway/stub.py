@@ -1,0 +1,804 @@
+"""A stub backend that speaks SGLang 0.5.19's HTTP surface, for tests and local runs.
+
+It reproduces the shapes the gateway cares about (see shared/sglang-contract.md): generation
+responses, error bodies, SSE streams written event by event, and SGLang's own sampling-mask
+admission rule, coded independently of the gateway so that the two can check each other.
+Faults are scripted per request with ``X-Stub-*`` headers or per instance with attributes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import itertools
+import signal
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+_LOOP_FACTORY: Callable[[], asyncio.AbstractEventLoop] | None
+try:
+    import uvloop
+
+    _LOOP_FACTORY = uvloop.new_event_loop
+except ImportError:  # pragma: no cover - uvloop is absent only on exotic platforms
+    _LOOP_FACTORY = None
+
+TOP_K_ALL = 1 << 30
+VOCAB_SIZE = 32000
+DEFAULT_MAX_NEW_TOKENS = 16
+MAX_NEW_TOKENS_CAP = 4096
+PAD_CHUNK = 64 * 1024
+MID_BODY_EVENTS = 2
+MASK_TOP_K_MESSAGE = (
+    "return_sampling_mask requires finite top_k; top_p-only sampling is valid but can return huge"
+    " masks in the tail, blowing up metadata, so we need a safety cap."
+)
+GENERATION_PATHS = frozenset(
+    {
+        "/generate",
+        "/v1/chat/completions",
+        "/invocations",
+        "/v1/completions",
+        "/v1/responses",
+        "/vertex_generate",
+    }
+)
+_TRUE_STRINGS = frozenset({"true", "t", "y", "yes", "on", "1"})
+_PAD_SENTINEL = "\x00stub-padding\x00"
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+_Json = dict[str, Any]
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """One request as the stub saw it on the wire."""
+
+    method: str
+    path: str
+    raw_path: str
+    headers: CIMultiDictProxy[str]
+    body: bytes
+    sha256: str
+
+
+@dataclass(slots=True)
+class _Ctx:
+    index: int
+    sha256: str
+    started: float
+    drop: str | None = None
+    chunk_delay_s: float = 0.0
+    dropped: bool = False
+
+
+_CTX = web.RequestKey("stub_ctx", _Ctx)
+
+
+class _Reject(Exception):
+    """A request SGLang would refuse; `admission` marks refusals a stream reports in-band."""
+
+    def __init__(
+        self, message: str, status: int = 400, *, parse: bool = False, admission: bool = False
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.parse = parse
+        self.admission = admission
+
+
+@dataclass(slots=True)
+class _Item:
+    prompt_tokens: int
+    max_new: int
+    mask_k: int | None
+    rid: str
+
+
+def _json(obj: object, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+
+
+def _error(path: str, message: str, status: int, *, parse: bool = False) -> web.Response:
+    if status in (204, 304) or status < 200:
+        return web.Response(status=status)
+    if parse or path.startswith("/v1/") or path == "/invocations":
+        if parse:
+            kind = "Bad Request"
+        elif status == 400:
+            kind = "BadRequestError"
+        else:
+            kind = _phrase(status)
+        body = {"object": "error", "message": message, "type": kind, "param": None, "code": status}
+        return _json(body, status)
+    return _json({"error": {"message": message}}, status)
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
+
+
+def _header_int(request: web.Request, name: str) -> int | None:
+    value = request.headers.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value.strip())
+    except ValueError:
+        return None
+
+
+def _lax_bool(value: object) -> bool:
+    # pydantic's lax booleans; a list (single /generate request) counts when non-empty.
+    if isinstance(value, str):
+        return value.strip().lower() in _TRUE_STRINGS
+    if isinstance(value, bool | int | float | list):
+        return bool(value)
+    return False
+
+
+def _lax_int(value: object, name: str) -> int:
+    if isinstance(value, bool | int):
+        return int(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    raise _Reject(f"{name} must be an integer, got {value!r}.")
+
+
+def _max_tokens(value: object) -> int:
+    n = DEFAULT_MAX_NEW_TOKENS if value is None else _lax_int(value, "max_new_tokens")
+    return max(0, min(n, MAX_NEW_TOKENS_CAP))
+
+
+def _mask_top_k(top_k: object, temperature: object) -> int:
+    """The row width of a mask-requesting item, or a refusal under SGLang 0.5.19's rule."""
+    if isinstance(temperature, int | float) and 0 <= temperature < 1e-6:
+        return 1  # SGLang forces greedy items to top_k = 1 whatever was sent
+    k = TOP_K_ALL if top_k is None else _lax_int(top_k, "top_k")
+    if k == -1:
+        k = TOP_K_ALL
+    if k < 1:
+        raise _Reject(f"top_k must be -1 (disable) or at least 1, got {k}.", admission=True)
+    if k == TOP_K_ALL:
+        raise _Reject(MASK_TOP_K_MESSAGE, admission=True)
+    return k
+
+
+def _mask_meta(n: int, k: int) -> _Json:
+    width = min(k, VOCAB_SIZE)
+    ids = list(range(width))
+    logprobs = [round(-0.01 * (j + 1), 4) for j in range(width)]
+    return {
+        "output_token_sampling_mask": [ids] * n,
+        "output_token_sampling_logprobs": [logprobs] * n,
+        "output_token_sampling_mask_length": [width] * n,
+    }
+
+
+def _pieces(n: int) -> list[str]:
+    return [f" w{i}" for i in range(n)]
+
+
+def _ids(n: int) -> list[int]:
+    return [100 + i for i in range(n)]
+
+
+def _words(value: object) -> int:
+    if isinstance(value, str):
+        return max(1, len(value.split()))
+    if isinstance(value, list):
+        return (
+            sum(_words(v) for v in value) if value and not isinstance(value[0], int) else len(value)
+        )
+    if isinstance(value, dict):
+        return _words(value.get("content"))
+    return 1
+
+
+def _parse(body: bytes) -> _Json:
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise _Reject(f"Invalid JSON body: {exc}", parse=True) from exc
+    if not isinstance(obj, dict):
+        raise _Reject("Request body must be a JSON object.", parse=True)
+    return obj
+
+
+def _generate_items(body: _Json) -> tuple[list[_Item], bool]:
+    text, input_ids = body.get("text"), body.get("input_ids")
+    prompts: list[object]
+    if isinstance(text, list):
+        prompts, batch = list(text), True
+    elif isinstance(text, str):
+        prompts, batch = [text], False
+    elif isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
+        prompts, batch = list(input_ids), True
+    elif isinstance(input_ids, list):
+        prompts, batch = [input_ids], False
+    else:
+        raise _Reject("Either text, input_ids or input_embeds should be provided.")
+    params, mask, rid = (
+        body.get("sampling_params"),
+        body.get("return_sampling_mask"),
+        body.get("rid"),
+    )
+    items = []
+    for i, prompt in enumerate(prompts):
+        sp = params[i] if isinstance(params, list) and i < len(params) else params
+        sp = sp if isinstance(sp, dict) else {}
+        on = mask[i] if batch and isinstance(mask, list) and i < len(mask) else mask
+        item_rid = rid[i] if isinstance(rid, list) and i < len(rid) else rid
+        items.append(
+            _Item(
+                prompt_tokens=_words(prompt),
+                max_new=_max_tokens(sp.get("max_new_tokens")),
+                mask_k=_mask_top_k(sp.get("top_k"), sp.get("temperature"))
+                if _lax_bool(on)
+                else None,
+                rid=item_rid if isinstance(item_rid, str) else uuid.uuid4().hex,
+            )
+        )
+    return items, batch
+
+
+def _generate_out(item: _Item, n: int, started: float, *, final: bool = True) -> _Json:
+    meta: _Json = {
+        "id": item.rid,
+        "finish_reason": {"type": "length", "length": n} if final else None,
+        "prompt_tokens": item.prompt_tokens,
+        "weight_version": "default",
+        "completion_tokens": n,
+        "cached_tokens": 0,
+        "e2e_latency": round(time.monotonic() - started, 6),
+    }
+    if item.mask_k is not None and final:
+        meta.update(_mask_meta(n, item.mask_k))
+    return {"text": "".join(_pieces(n)), "output_ids": _ids(n), "meta_info": meta}
+
+
+def _padding(size: int) -> Iterator[bytes]:
+    """`size` bytes of JSON array contents: rows of token ids, then blanks to hit it exactly."""
+    row = b"[" + b",".join(str(i).encode() for i in range(16)) + b"]"
+    if size < len(row):
+        yield b" " * size
+        return
+    yield row
+    unit = b"," + row
+    units, blanks = divmod(size - len(row), len(unit))
+    per_block = PAD_CHUNK // len(unit)
+    block = unit * per_block
+    full, rest = divmod(units, per_block)
+    for _ in range(full):
+        yield block
+    yield unit * rest + b" " * blanks
+
+
+def _usage(prompt: int, n: int) -> _Json:
+    return {"usage": {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}}
+
+
+def _sse(obj: object) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+class StubBackend:
+    """An SGLang look-alike; attributes mirror the constructor and may be changed at run time."""
+
+    def __init__(
+        self,
+        *,
+        model: str = "stub-model",
+        version: str = "0.5.19",
+        delay_s: float = 0.0,
+        chunk_delay_s: float = 0.0,
+        fail_status: int | None = None,
+        drop: str | None = None,
+        health_status: int = 200,
+        idle_close_s: float | None = None,
+    ) -> None:
+        self.model = model
+        self.version = version
+        self.delay_s = delay_s
+        self.chunk_delay_s = chunk_delay_s
+        self.fail_status = fail_status
+        self.drop = drop
+        self.health_status = health_status
+        self.idle_close_s = idle_close_s
+        self.received: list[Received] = []
+        self.completed = 0
+        self.cancelled = 0
+        self.dropped = 0
+        self.disconnect_event = asyncio.Event()
+        self._running = 0
+        self._generated_tokens = 0
+        self._runner: web.AppRunner | None = None
+        self._host = "127.0.0.1"
+        self._port = 0
+        self._stopping = False
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def make_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._middleware], client_max_size=1 << 30)
+        routes: list[tuple[str, str, _Handler]] = [
+            ("POST", "/generate", self._generate),
+            ("PUT", "/generate", self._generate),
+            ("POST", "/v1/chat/completions", self._chat),
+            ("POST", "/invocations", self._chat),
+            ("POST", "/v1/completions", self._completions),
+            ("POST", "/v1/responses", self._responses),
+            ("POST", "/vertex_generate", self._vertex),
+            ("GET", "/health", self._health),
+            ("GET", "/health_generate", self._health),
+            ("GET", "/model_info", self._model_info),
+            ("GET", "/get_model_info", self._model_info),
+            ("GET", "/server_info", self._server_info),
+            ("GET", "/get_server_info", self._server_info),
+            ("GET", "/v1/models", self._models),
+            ("POST", "/abort_request", self._abort_request),
+            ("GET", "/flush_cache", self._flush_cache),
+            ("POST", "/flush_cache", self._flush_cache),
+            ("GET", "/metrics", self._metrics),
+        ]
+        for method, path, handler in routes:
+            app.router.add_route(method, path, handler)
+        app.on_response_prepare.append(self._stamp)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        self._stopping = False
+        keepalive = 75.0 if self.idle_close_s is None else self.idle_close_s
+        # A short shutdown timeout: tests stop the stub with streams still hanging open.
+        runner = web.AppRunner(
+            self.make_app(),
+            handler_cancellation=True,
+            keepalive_timeout=keepalive,
+            access_log=None,
+            shutdown_timeout=0.5,
+        )
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        self._host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        self._port = int(runner.addresses[0][1])
+        return self._port
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            self._stopping = True
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+    @property
+    def url(self) -> str:
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"http://{host}:{self._port}"
+
+    def generation_requests(self) -> list[Received]:
+        return [r for r in self.received if r.path in GENERATION_PATHS]
+
+    # --- plumbing ------------------------------------------------------------------------
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
+        generation = request.path in GENERATION_PATHS
+        self._running += generation
+        try:
+            body = await request.read()
+            digest = hashlib.sha256(body).hexdigest()
+            headers = CIMultiDictProxy(CIMultiDict(request.headers))
+            self.received.append(
+                Received(request.method, request.path, request.raw_path, headers, body, digest)
+            )
+            ctx = _Ctx(index=len(self.received), sha256=digest, started=time.monotonic())
+            request[_CTX] = ctx
+            response = await self._dispatch(request, handler, ctx)
+        except asyncio.CancelledError:
+            # Our own transport.abort() also cancels the handler; only count the client leaving.
+            ctx_now = request.get(_CTX)
+            if not self._stopping and not (ctx_now is not None and ctx_now.dropped):
+                self.cancelled += 1
+                self.disconnect_event.set()
+            raise
+        finally:
+            self._running -= generation
+        if ctx.dropped:
+            self.dropped += 1
+        else:
+            self.completed += 1
+        return response
+
+    async def _dispatch(
+        self, request: web.Request, handler: _Handler, ctx: _Ctx
+    ) -> web.StreamResponse:
+        routed = request.match_info.http_exception is None
+        gen = routed and request.path in GENERATION_PATHS
+        delay_ms = _header_int(request, "X-Stub-Delay-Ms")
+        delay = delay_ms / 1000 if delay_ms is not None else (self.delay_s if gen else 0.0)
+        chunk_ms = _header_int(request, "X-Stub-Chunk-Delay-Ms")
+        ctx.chunk_delay_s = chunk_ms / 1000 if chunk_ms is not None else self.chunk_delay_s
+        status = _header_int(request, "X-Stub-Status")
+        if status is None and gen:
+            status = self.fail_status
+        ctx.drop = request.headers.get("X-Stub-Drop") or (self.drop if gen else None)
+
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if ctx.drop == "before-headers":
+            self._abort(request, ctx)
+            return web.Response()
+        if (location := request.headers.get("X-Stub-Redirect")) is not None:
+            return web.Response(status=307, headers={"Location": location})
+
+        response: web.StreamResponse
+        if status is not None:
+            response = _error(request.path, f"stub: scripted status {status}", status)
+        elif not routed:
+            response = self._route_error(request)
+        else:
+            try:
+                response = await handler(request)
+            except _Reject as exc:
+                response = _error(request.path, exc.message, exc.status, parse=exc.parse)
+
+        if ctx.drop == "mid-body" and isinstance(response, web.Response) and not response.prepared:
+            body = response.body if isinstance(response.body, bytes) else b""
+            half = len(body) // 2
+            return await self._send_chunks(
+                request, [body[:half], body[half:]], len(body), response.status, response
+            )
+        return response
+
+    def _route_error(self, request: web.Request) -> web.StreamResponse:
+        if isinstance(request.match_info.http_exception, web.HTTPMethodNotAllowed):
+            return _json({"detail": "Method Not Allowed"}, 405)
+        stripped = request.path.rstrip("/")
+        if request.path != stripped and self._is_route(request, stripped):
+            # Starlette's redirect_slashes, which SGLang inherits.
+            location = request.url.with_path(stripped).with_query(request.query_string)
+            return web.Response(status=307, headers={"Location": str(location)})
+        return _json({"detail": "Not Found"}, 404)
+
+    @staticmethod
+    def _is_route(request: web.Request, path: str) -> bool:
+        return any(r.canonical == path for r in request.app.router.resources() if r.canonical != "")
+
+    async def _stamp(self, request: web.Request, response: web.StreamResponse) -> None:
+        ctx = request.get(_CTX)
+        if ctx is not None:
+            response.headers["X-Stub-Body-Sha256"] = ctx.sha256
+            response.headers["X-Stub-Request-Count"] = str(ctx.index)
+        if (request_id := request.headers.get("X-Request-Id")) is not None:
+            response.headers["X-Request-Id"] = request_id
+
+    @staticmethod
+    def _abort(request: web.Request, ctx: _Ctx) -> None:
+        ctx.dropped = True
+        if request.transport is not None:
+            request.transport.abort()
+
+    async def _send_chunks(
+        self,
+        request: web.Request,
+        chunks: Iterable[bytes],
+        total: int,
+        status: int = 200,
+        like: web.StreamResponse | None = None,
+    ) -> web.StreamResponse:
+        """Write a body of known length chunk by chunk, honouring chunk delay and mid-body drop."""
+        ctx = request[_CTX]
+        resp = web.StreamResponse(status=status)
+        resp.content_type = like.content_type if like is not None else "application/json"
+        resp.content_length = total
+        await resp.prepare(request)
+        sent = 0
+        for i, chunk in enumerate(chunks):
+            if ctx.drop == "mid-body" and sent >= total // 2:
+                self._abort(request, ctx)
+                return resp
+            if i and ctx.chunk_delay_s > 0:
+                await asyncio.sleep(ctx.chunk_delay_s)
+            await resp.write(chunk)
+            sent += len(chunk)
+        return resp
+
+    async def _stream(self, request: web.Request, events: Iterable[object]) -> web.StreamResponse:
+        """Write an SSE stream one event per write, so readers can watch events arrive."""
+        ctx = request[_CTX]
+        resp = web.StreamResponse(headers=_SSE_HEADERS)
+        await resp.prepare(request)
+        for i, event in enumerate(events):
+            if ctx.drop == "mid-body" and i >= MID_BODY_EVENTS:
+                break
+            if i and ctx.chunk_delay_s > 0:
+                await asyncio.sleep(ctx.chunk_delay_s)
+            await resp.write(_sse(event))
+        if ctx.drop == "mid-body":
+            self._abort(request, ctx)
+            return resp
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    def _events(self, request: web.Request, default: int) -> int:
+        n = _header_int(request, "X-Stub-Events")
+        return default if n is None else max(0, n)
+
+    # --- generation routes ---------------------------------------------------------------
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        ctx = request[_CTX]
+        body = _parse(await request.read())
+        stream = _lax_bool(body.get("stream"))
+        try:
+            items, batch = _generate_items(body)
+        except _Reject as exc:
+            if not (stream and exc.admission):
+                raise
+            # SGLang reports a refused streaming request in-band: 200, an abort chunk, [DONE].
+            reason = {"type": "abort", "message": exc.message, "status_code": exc.status}
+            meta = {"id": uuid.uuid4().hex, "finish_reason": reason, "prompt_tokens": 0}
+            return await self._stream(request, [{"text": "", "output_ids": [], "meta_info": meta}])
+        if stream:
+            return await self._stream(request, self._generate_events(request, items, batch, ctx))
+        outs = [_generate_out(it, it.max_new, ctx.started) for it in items]
+        self._generated_tokens += sum(it.max_new for it in items)
+        payload: object = outs if batch else outs[0]
+        target = _header_int(request, "X-Stub-Response-Bytes")
+        if target is None:
+            return _json(payload)
+        outs[0]["meta_info"]["output_token_sampling_mask"] = _PAD_SENTINEL
+        head, _, tail = orjson.dumps(payload).partition(orjson.dumps(_PAD_SENTINEL))
+        pad = max(0, target - len(head) - len(tail) - 2)
+        chunks = itertools.chain([head + b"["], _padding(pad), [b"]" + tail])
+        return await self._send_chunks(request, chunks, len(head) + len(tail) + 2 + pad)
+
+    def _generate_events(
+        self, request: web.Request, items: list[_Item], batch: bool, ctx: _Ctx
+    ) -> Iterator[_Json]:
+        counts = [self._events(request, it.max_new) for it in items]
+        for step in range(1, max(counts, default=0) + 1):
+            for index, (item, n) in enumerate(zip(items, counts, strict=True)):
+                if step > n:
+                    continue
+                self._generated_tokens += 1
+                out = _generate_out(item, step, ctx.started, final=step == n)
+                if batch:
+                    out["index"] = index
+                yield out
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = _parse(await request.read())
+        stream = _lax_bool(body.get("stream"))
+        with_meta = _lax_bool(body.get("return_meta_info"))
+        mask_k = None
+        if _lax_bool(body.get("return_sampling_mask")):
+            mask_k = _mask_top_k(body.get("top_k"), body.get("temperature"))
+            if not with_meta:
+                raise _Reject("return_sampling_mask requires return_meta_info=true.")
+        if stream and with_meta:
+            raise _Reject(
+                "return_meta_info is not supported with streaming. "
+                "Please set stream=false when using return_meta_info=true."
+            )
+        n = _max_tokens(body.get("max_completion_tokens", body.get("max_tokens")))
+        base = self._openai_base(body, "chatcmpl-", "chat.completion.chunk")
+        if stream:
+            # The role rides on the first content delta so that X-Stub-Events counts every event.
+            def delta(i: int, piece: str) -> _Json:
+                return {"delta": {"content": piece} | ({"role": "assistant"} if i == 0 else {})}
+
+            return await self._choice_stream(request, base, n, delta)
+        prompt = _words(body.get("messages"))
+        message = {"role": "assistant", "content": self._text(n), "tool_calls": None}
+        choice: _Json = {
+            "index": 0,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": "length",
+        }
+        if with_meta:
+            item = _Item(prompt, n, mask_k, base["id"])
+            choice["meta_info"] = _generate_out(item, n, request[_CTX].started)["meta_info"]
+        return _json(base | {"object": "chat.completion", "choices": [choice]} | _usage(prompt, n))
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = _parse(await request.read())
+        n = _max_tokens(body.get("max_tokens"))
+        base = self._openai_base(body, "cmpl-", "text_completion")
+        if _lax_bool(body.get("stream")):
+            return await self._choice_stream(request, base, n, lambda _, p: {"text": p})
+        choice = {"index": 0, "text": self._text(n), "logprobs": None, "finish_reason": "length"}
+        return _json(base | {"choices": [choice]} | _usage(_words(body.get("prompt")), n))
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        body = _parse(await request.read())
+        n = _max_tokens(body.get("max_output_tokens"))
+        base = self._openai_base(body, "resp_", "response")
+        if _lax_bool(body.get("stream")):
+            pieces = _pieces(self._events(request, n))
+            self._generated_tokens += len(pieces)
+            kind = "response.output_text.delta"
+            return await self._stream(
+                request, ({"type": kind, "response_id": base["id"], "delta": p} for p in pieces)
+            )
+        text = {"type": "output_text", "text": self._text(n), "annotations": []}
+        message = {"type": "message", "role": "assistant", "status": "completed", "content": [text]}
+        prompt = _words(body.get("input"))
+        usage = {"input_tokens": prompt, "output_tokens": n, "total_tokens": prompt + n}
+        return _json(base | {"status": "completed", "output": [message], "usage": usage})
+
+    def _openai_base(self, body: _Json, prefix: str, obj: str) -> _Json:
+        model = body.get("model")
+        model = model if isinstance(model, str) else self.model
+        return {"id": prefix + uuid.uuid4().hex, "object": obj, "created": int(time.time())} | {
+            "model": model
+        }
+
+    def _text(self, n: int) -> str:
+        self._generated_tokens += n
+        return "".join(_pieces(n))
+
+    async def _choice_stream(
+        self, request: web.Request, base: _Json, n: int, part: Callable[[int, str], _Json]
+    ) -> web.StreamResponse:
+        pieces = _pieces(self._events(request, n))
+        self._generated_tokens += len(pieces)
+
+        def event(i: int, piece: str) -> _Json:
+            finish = "length" if i == len(pieces) - 1 else None
+            choice = {"index": 0} | part(i, piece) | {"logprobs": None, "finish_reason": finish}
+            return base | {"choices": [choice]}
+
+        return await self._stream(request, (event(i, p) for i, p in enumerate(pieces)))
+
+    async def _vertex(self, request: web.Request) -> web.StreamResponse:
+        body = _parse(await request.read())
+        instances = body.get("instances")
+        parameters = body.get("parameters")
+        if not isinstance(instances, list) or not instances:
+            return _json([])
+        # SGLang builds a batch GenerateReqInput from the instances plus the parameters.
+        gen: _Json = dict(parameters) if isinstance(parameters, dict) else {}
+        for key in ("text", "input_ids"):
+            first = instances[0]
+            if isinstance(first, dict) and first.get(key):
+                gen[key] = [inst.get(key) if isinstance(inst, dict) else None for inst in instances]
+                break
+        items, _ = _generate_items(gen)
+        self._generated_tokens += sum(it.max_new for it in items)
+        started = request[_CTX].started
+        return _json({"predictions": [_generate_out(it, it.max_new, started) for it in items]})
+
+    # --- operational routes --------------------------------------------------------------
+
+    async def _health(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(status=self.health_status)
+
+    async def _model_info(self, request: web.Request) -> web.StreamResponse:
+        return _json(
+            {
+                "model_path": self.model,
+                "tokenizer_path": self.model,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+            }
+        )
+
+    async def _server_info(self, request: web.Request) -> web.StreamResponse:
+        return _json(
+            {
+                "version": self.version,
+                "model_path": self.model,
+                "tokenizer_path": self.model,
+                "served_model_name": self.model,
+                "speculative_algorithm": None,
+                "sampling_backend": "flashinfer",
+                "disaggregation_mode": "null",
+                "context_length": 32768,
+                "internal_states": [{"last_gen_throughput": 0.0}],
+            }
+        )
+
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        card = {
+            "id": self.model,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "sglang",
+            "root": self.model,
+            "max_model_len": 32768,
+        }
+        return _json({"object": "list", "data": [card]})
+
+    async def _abort_request(self, request: web.Request) -> web.StreamResponse:
+        return web.Response()
+
+    async def _flush_cache(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(text="Cache flushed.\nPlease check backend logs for more details.\n")
+
+    async def _metrics(self, request: web.Request) -> web.StreamResponse:
+        label = f'{{model_name="{self.model}"}}'
+        lines = [
+            "# TYPE sglang:num_running_reqs gauge",
+            f"sglang:num_running_reqs{label} {float(self._running)}",
+            "# TYPE sglang:num_queue_reqs gauge",
+            f"sglang:num_queue_reqs{label} 0.0",
+            "# TYPE sglang:generation_tokens_total counter",
+            f"sglang:generation_tokens_total{label} {float(self._generated_tokens)}",
+            "# TYPE sglang:num_requests_total counter",
+            f"sglang:num_requests_total{label} {float(len(self.generation_requests()))}",
+        ]
+        return web.Response(
+            text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8"
+        )
+
+
+# --- CLI -------------------------------------------------------------------------------------
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m gateway.stub", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--model", default="stub-model")
+    parser.add_argument("--delay-ms", type=int, default=0)
+    parser.add_argument("--chunk-delay-ms", type=int, default=0)
+    parser.add_argument("--fail-status", type=int, default=None)
+    parser.add_argument("--drop", choices=("before-headers", "mid-body"), default=None)
+    return parser.parse_args(argv)
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    stub = StubBackend(
+        model=args.model,
+        delay_s=args.delay_ms / 1000,
+        chunk_delay_s=args.chunk_delay_ms / 1000,
+        fail_status=args.fail_status,
+        drop=args.drop,
+    )
+    port = await stub.start(args.host, args.port)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"stub listening on http://{host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await stub.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    with asyncio.Runner(loop_factory=_LOOP_FACTORY) as runner:
+        runner.run(_serve(_parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create (or reuse) .venv and install the project into it. Needs only python3 >= 3.11 and
+# access to PyPI. EXTRAS=dev installs the test and lint tools too.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+"$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
+  echo "python >= 3.11 is required (found $("$PY" --version 2>&1))" >&2; exit 1; }
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=".venv/.installed-${EXTRAS:-base}"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/python -m pip install -q --disable-pip-version-check -U pip
+  spec="."
+  [ -n "${EXTRAS:-}" ] && spec=".[${EXTRAS}]"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e "$spec"
+  touch "$stamp"
+fi

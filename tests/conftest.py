@@ -1,0 +1,86 @@
+"""Shared fixtures: real stub backends and real gateways on 127.0.0.1 ephemeral ports."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+
+from gateway import config as config_mod
+from gateway.server import Gateway
+from gateway.stub import StubBackend
+
+GatewayFactory = Callable[..., Awaitable[Gateway]]
+
+
+def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+@pytest.fixture
+async def stub() -> AsyncIterator[StubBackend]:
+    backend = StubBackend()
+    await backend.start()
+    yield backend
+    await backend.stop()
+
+
+@pytest.fixture
+async def make_gateway() -> AsyncIterator[GatewayFactory]:
+    """Start gateways in front of given backend URLs; all are stopped at teardown."""
+    started: list[Gateway] = []
+
+    async def factory(*urls: str, **overrides: Any) -> Gateway:
+        data = merge(
+            {
+                "listen": {"host": "127.0.0.1", "port": 0},
+                "admin": {"host": "127.0.0.1", "port": 0},
+                "backends": {"static": list(urls), "health": {"interval_s": 0.2}},
+                "timeouts": {"shutdown_grace_s": 2},
+                "logging": {"access_log": True},
+            },
+            overrides,
+        )
+        gw = Gateway(config_mod.build(data))
+        await gw.start()
+        started.append(gw)
+        return gw
+
+    yield factory
+    for gw in started:
+        await gw.stop()
+
+
+@pytest.fixture
+async def gateway(stub: StubBackend, make_gateway: GatewayFactory) -> Gateway:
+    return await make_gateway(stub.url)
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+def gw_url(gw: Gateway, path: str = "") -> str:
+    return f"http://127.0.0.1:{gw.port}{path}"
+
+
+def admin_url(gw: Gateway, path: str = "") -> str:
+    return f"http://127.0.0.1:{gw.admin_port}{path}"
+
+
+async def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Poll a condition on the loop (readiness, counters), failing after `timeout`."""
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.01)

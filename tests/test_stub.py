@@ -1,0 +1,428 @@
+"""Tests of the bundled SGLang stub backend, over real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import sys
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from yarl import URL
+
+from gateway.stub import MASK_TOP_K_MESSAGE, StubBackend
+
+
+@pytest.fixture
+async def stub() -> AsyncIterator[StubBackend]:
+    backend = StubBackend()
+    await backend.start()
+    yield backend
+    await backend.stop()
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as client:
+        yield client
+
+
+async def post(
+    session: aiohttp.ClientSession, url: str, body: object, **headers: str
+) -> tuple[int, Any, aiohttp.ClientResponse]:
+    async with session.post(url, data=orjson.dumps(body), headers=headers) as resp:
+        raw = await resp.read()
+        return resp.status, orjson.loads(raw) if raw else None, resp
+
+
+async def sse(resp: aiohttp.ClientResponse) -> list[bytes]:
+    """The data payloads of an SSE stream, [DONE] included."""
+    return [line[6:].rstrip(b"\n") async for line in resp.content if line.startswith(b"data: ")]
+
+
+# --- /generate ---------------------------------------------------------------------------------
+
+
+async def test_generate_single(stub: StubBackend, session: aiohttp.ClientSession) -> None:
+    body = {"text": "hello there world", "sampling_params": {"max_new_tokens": 4}}
+    status, out, resp = await post(session, f"{stub.url}/generate", body)
+    assert status == 200
+    assert resp.headers["Content-Type"].startswith("application/json")
+    assert len(out["output_ids"]) == 4
+    assert out["text"] == " w0 w1 w2 w3"
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 4}
+    assert (meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]) == (3, 4, 0)
+    assert "output_token_sampling_mask" not in meta
+    assert isinstance(meta["id"], str) and isinstance(meta["e2e_latency"], float)
+
+
+async def test_generate_put_and_default_length(
+    stub: StubBackend, session: aiohttp.ClientSession
+) -> None:
+    async with session.put(f"{stub.url}/generate", json={"input_ids": [1, 2, 3]}) as resp:
+        out = await resp.json()
+    assert resp.status == 200
+    assert out["meta_info"]["completion_tokens"] == 16
+    assert out["meta_info"]["prompt_tokens"] == 3
+
+
+async def test_generate_batch(stub: StubBackend, session: aiohttp.ClientSession) -> None:
+    body = {
+        "text": ["a", "b c", "d"],
+        "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 2}, {"max_new_tokens": 3}],
+    }
+    status, out, _ = await post(session, f"{stub.url}/generate", body)
+    assert status == 200
+    assert [o["meta_info"]["completion_tokens"] for o in out] == [1, 2, 3]
+    assert [o["meta_info"]["prompt_tokens"] for o in out] == [1, 2, 1]
+    status, out, _ = await post(session, f"{stub.url}/generate", {"input_ids": [[1], [2, 3]]})
+    assert status == 200 and len(out) == 2
+
+
+async def test_generate_stream(stub: StubBackend, session: aiohttp.ClientSession) -> None:
+    body = {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 4}}
+    arrivals: list[float] = []
+    events: list[bytes] = []
+    headers = {"X-Stub-Chunk-Delay-Ms": "100"}
+    async with session.post(f"{stub.url}/generate", json=body, headers=headers) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        async for line in resp.content:
+            if line.startswith(b"data: "):
+                arrivals.append(time.monotonic())
+                events.append(line[6:].strip())
+    assert events[-1] == b"[DONE]"
+    chunks = [orjson.loads(e) for e in events[:-1]]
+    assert [c["text"] for c in chunks] == [" w0", " w0 w1", " w0 w1 w2", " w0 w1 w2 w3"]
+    assert [c["meta_info"]["finish_reason"] for c in chunks[:-1]] == [None, None, None]
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+    # Written one by one: the events are spread over the chunk delays, not sent in one burst.
+    assert arrivals[3] - arrivals[0] >= 0.25
+
+
+async def test_events_header(stub: StubBackend, session: aiohttp.ClientSession) -> None:
+    body = {"text": ["a", "b"], "stream": True}
+    headers = {"X-Stub-Events": "3"}
+    async with session.post(f"{stub.url}/generate", json=body, headers=headers) as resp:
+        events = await sse(resp)
+    assert len(events) == 2 * 3 + 1
+    assert sorted(orjson.loads(e)["index"] for e in events[:-1]) == [0, 0, 0, 1, 1, 1]
+
+
+async def test_mask_metadata(stub: StubBackend, session: aiohttp.ClientSession) -> None:
+    body = {
+        "text": "x",
+        "return_sampling_mask": True,
+        "sampling_params": {"top_k": 5, "max_new_tokens": 3},
+    }
+    status, out, _ = await post(session, f"{stub.url}/generate", body)
+    assert status == 200
+    meta = out["meta_info"]
+    assert meta["output_token_sampling_mask"] == [[0, 1, 2, 3, 4]] * 3
+    assert [len(row) for row in meta["output_token_sampling_logprobs"]] == [5, 5, 5]
+    assert meta["output_token_sampling_mask_length"] == [5, 5, 5]
+
+
+async def test_mask_per_item_and_greedy(stub: StubBackend, session: aiohttp.ClientSession) -> None:
+    body = {
+        "text": ["a", "b"],
+        "return_sampling_mask": [True, False],
+        "sampling_params": [{"temperature": 0, "max_new_tokens": 2}, {"max_new_tokens": 2}],
+    }
+    status, out, _ = await post(session, f"{stub.url}/generate", body)
+    assert status == 200
+    assert out[0]["meta_info"]["output_token_sampling_mask_length"] == [1, 1]
+    assert "output_token_sampling_mask" not in out[1]["meta_info"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"text": "x", "return_sampling_mask": True},
+        {"text": "x", "return_sampling_mask": "yes", "sampling_params": {"top_k": -1}},
+        {"text": "x", "return_sampling_mask": [False], "sampling_params": {"top_k": None}},
+        {"text": ["a", "b"], "return_sampling_mask": True, "sampling_params": [{"top_k": 3}, {}]},
+    ],
+)
+async def test_unbounded_mask_rejected(
+    stub: StubBackend, session: aiohttp.ClientSession, body: dict[str, Any]
+) -> None:
+    status, out, _ = await post(session, f"{stub.url}/generate", body)
+    assert status == 400
+    assert out == {"error": {"message": MASK_TOP_K_MESSAGE}}
+
+
+async def test_unbounded_mask_rejected_in_band_when_streaming(
+    stub: StubBackend, session: aiohttp.ClientSession
+) -> None:
+    body = {"text": "x", "stream": True, "return_sampling_mask": True}
+    async with session.post(f"{stub.url}/generate", json=body) as resp:
+        events = await sse(resp)
+    assert resp.status == 200
+    assert events[-1] == b"[DONE]"
+    reason = orjson.loads(events[0])["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and reason["status_code"] == 400
+    assert reason["message"] == MASK_TOP_K_MESSAGE
+
+
+async def test_malformed_json(stub: StubBackend, session: aiohttp.ClientSession) -> None:
+    async with session.post(f"{stub.url}/generate", data=b'{"text": ') as resp:
+        out = await resp.json()
+    assert resp.status == 400
+    assert out["type"] == "Bad Request" and out["code"] == 400 and out["object"] == "error"
+
+
+# --- OpenAI-style routes -----------------------------------------------------------------------
+
+
+async def test_chat(stub: StubBackend, session: aiohttp.ClientSession) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    status, out, _ = await post(session, f"{stub.url}/v1/chat/completions", body)
+    assert status == 200
+    assert out["object"] == "chat.completion" and out["model"] == "m"
+    choice = out["choices"][0]
+    assert choice["message"]["role"] == "assistant"
+    assert choice["message"]["content"] == " w0 w1 w2"
+    assert choice["finish_reason"] == "length" and "meta_info" not in choice
+    assert out["usage"] == {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}
+
+
+async def test_chat_mask_meta_info(stub: StubBackend, session: aiohttp.ClientSession) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "top_k": 4,
+        "return_sampling_mask": True,
+        "return_meta_info": True,
+    }
+    status, out, _ = await post(session, f"{stub.url}/invocations", body)
+    assert status == 200
+    meta = out["choices"][0]["meta_info"]
+    assert meta["output_token_sampling_mask_length"] == [4, 4]
+    assert len(meta["output_token_sampling_mask"]) == 2
+
+
+async def test_chat_unbounded_mask_rejected(
+    stub: StubBackend, session: aiohttp.ClientSession
+) -> None:
+    body = {"messages": [], "return_sampling_mask": True, "return_meta_info": True, "top_p": 0.9}
+    status, out, _ = await post(session, f"{stub.url}/v1/chat/completions", body)
+    assert status == 400
+    assert out == {
+        "object": "error",
+        "message": MASK_TOP_K_MESSAGE,
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
+
+
+async def test_chat_stream(stub: StubBackend, session: aiohttp.ClientSession) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 3}
+    async with session.post(f"{stub.url}/v1/chat/completions", json=body) as resp:
+        events = await sse(resp)
+    assert events[-1] == b"[DONE]"
+    chunks = [orjson.loads(e) for e in events[:-1]]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == " w0 w1 w2"
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_completions_and_other_routes(
+    stub: StubBackend, session: aiohttp.ClientSession
+) -> None:
+    status, out, _ = await post(session, f"{stub.url}/v1/completions", {"prompt": "a b"})
+    assert status == 200 and out["object"] == "text_completion"
+    assert out["choices"][0]["finish_reason"] == "length"
+    body = {"prompt": "a", "stream": True, "max_tokens": 2}
+    async with session.post(f"{stub.url}/v1/completions", json=body) as resp:
+        events = await sse(resp)
+    assert len(events) == 3 and events[-1] == b"[DONE]"
+    status, out, _ = await post(session, f"{stub.url}/v1/responses", {"input": "hi"})
+    assert status == 200 and out["object"] == "response" and out["status"] == "completed"
+    body = {"instances": [{"text": "a"}, {"text": "b"}], "parameters": {"sampling_params": {}}}
+    status, out, _ = await post(session, f"{stub.url}/vertex_generate", body)
+    assert status == 200 and len(out["predictions"]) == 2
+
+
+async def test_info_routes(stub: StubBackend, session: aiohttp.ClientSession) -> None:
+    async with session.get(f"{stub.url}/model_info") as resp:
+        info = await resp.json()
+    assert info["model_path"] == "stub-model" and info["preferred_sampling_params"] is None
+    async with session.get(f"{stub.url}/get_server_info") as resp:
+        server = await resp.json()
+    assert server["version"] == "0.5.19" and server["speculative_algorithm"] is None
+    assert server["sampling_backend"] == "flashinfer"
+    async with session.get(f"{stub.url}/v1/models") as resp:
+        models = await resp.json()
+    assert models["data"][0]["id"] == "stub-model" and models["object"] == "list"
+    async with session.get(f"{stub.url}/metrics") as resp:
+        assert "sglang:num_running_reqs" in await resp.text()
+    async with session.post(f"{stub.url}/flush_cache") as resp:
+        assert (await resp.text()).startswith("Cache flushed")
+    async with session.post(f"{stub.url}/abort_request", json={"rid": "x"}) as resp:
+        assert resp.status == 200 and await resp.read() == b""
+
+
+# --- scripting headers -------------------------------------------------------------------------
+
+
+async def test_delay_header(stub: StubBackend, session: aiohttp.ClientSession) -> None:
+    started = time.monotonic()
+    status, _, _ = await post(session, f"{stub.url}/generate", {"text": "x"}, **{
+        "X-Stub-Delay-Ms": "200"
+    })
+    assert status == 200 and time.monotonic() - started >= 0.2
+
+
+async def test_status_header_and_attribute(
+    stub: StubBackend, session: aiohttp.ClientSession
+) -> None:
+    status, out, _ = await post(
+        session, f"{stub.url}/generate", {"text": "x"}, **{"X-Stub-Status": "503"}
+    )
+    assert status == 503 and "message" in out["error"]
+    stub.fail_status = 429
+    status, out, _ = await post(session, f"{stub.url}/v1/chat/completions", {"messages": []})
+    assert status == 429 and out["object"] == "error" and out["code"] == 429
+    async with session.get(f"{stub.url}/health") as resp:
+        assert resp.status == 200  # the attribute scripts generation routes only
+
+
+async def test_redirect_header(stub: StubBackend, session: aiohttp.ClientSession) -> None:
+    headers = {"X-Stub-Redirect": "/elsewhere"}
+    async with session.post(
+        f"{stub.url}/generate", json={}, headers=headers, allow_redirects=False
+    ) as resp:
+        assert resp.status == 307 and resp.headers["Location"] == "/elsewhere"
+
+
+async def test_drop_before_headers(stub: StubBackend, session: aiohttp.ClientSession) -> None:
+    with pytest.raises(aiohttp.ClientError):
+        await post(session, f"{stub.url}/generate", {"text": "x"}, **{
+            "X-Stub-Drop": "before-headers"
+        })
+    assert stub.dropped == 1 and stub.cancelled == 0 and not stub.disconnect_event.is_set()
+
+
+async def test_drop_mid_body(stub: StubBackend, session: aiohttp.ClientSession) -> None:
+    headers = {"X-Stub-Drop": "mid-body"}
+    async with session.post(f"{stub.url}/generate", json={"text": "x"}, headers=headers) as resp:
+        assert resp.status == 200
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await resp.read()
+    body = {"text": "x", "stream": True}
+    events: list[bytes] = []
+    async with session.post(f"{stub.url}/generate", json=body, headers=headers) as resp:
+        with pytest.raises(aiohttp.ClientPayloadError):
+            async for line in resp.content:
+                if line.startswith(b"data: "):
+                    events.append(line)
+    assert 0 < len(events) < 16 and b"[DONE]" not in b"".join(events)
+    assert stub.dropped == 2 and stub.cancelled == 0
+
+
+async def test_response_bytes(stub: StubBackend, session: aiohttp.ClientSession) -> None:
+    target = 5 * 1024 * 1024
+    headers = {"X-Stub-Response-Bytes": str(target)}
+    body = {"text": "x", "sampling_params": {"max_new_tokens": 2}}
+    async with session.post(f"{stub.url}/generate", json=body, headers=headers) as resp:
+        raw = await resp.read()
+    assert resp.status == 200 and len(raw) == target
+    out = orjson.loads(raw)
+    assert out["meta_info"]["completion_tokens"] == 2
+    assert len(out["meta_info"]["output_token_sampling_mask"]) > 1000
+
+
+async def test_sha256_count_and_request_id_echo(
+    stub: StubBackend, session: aiohttp.ClientSession
+) -> None:
+    raw = b'{"text": "dup", "text": "last"}'
+    headers = {"X-Request-Id": "req-1", "Content-Type": "application/json"}
+    url = URL(f"{stub.url}/generate?x=%41", encoded=True)
+    async with session.post(url, data=raw, headers=headers) as resp:
+        await resp.read()
+    assert resp.headers["X-Stub-Body-Sha256"] == hashlib.sha256(raw).hexdigest()
+    assert resp.headers["X-Request-Id"] == "req-1"
+    assert resp.headers["X-Stub-Request-Count"] == "1"
+    async with session.get(f"{stub.url}/nope") as resp:
+        assert resp.headers["X-Stub-Request-Count"] == "2"
+        assert resp.headers["X-Stub-Body-Sha256"] == hashlib.sha256(b"").hexdigest()
+    first = stub.received[0]
+    assert (first.method, first.path, first.raw_path) == ("POST", "/generate", "/generate?x=%41")
+    assert first.body == raw and first.headers["X-Request-Id"] == "req-1"
+    assert [r.path for r in stub.generation_requests()] == ["/generate"]
+    assert stub.completed == 2
+
+
+async def test_route_errors(stub: StubBackend, session: aiohttp.ClientSession) -> None:
+    async with session.get(f"{stub.url}/does-not-exist") as resp:
+        assert resp.status == 404 and await resp.json() == {"detail": "Not Found"}
+    async with session.get(f"{stub.url}/generate") as resp:
+        assert resp.status == 405 and await resp.json() == {"detail": "Method Not Allowed"}
+    async with session.post(f"{stub.url}/generate/", json={}, allow_redirects=False) as resp:
+        assert resp.status == 307 and resp.headers["Location"].endswith("/generate")
+    status, out, _ = await post(session, f"{stub.url}/%67enerate", {"text": "x"})
+    assert status == 200 and "meta_info" in out
+    assert stub.received[-1].path == "/generate"
+
+
+async def test_health_status_flip(stub: StubBackend, session: aiohttp.ClientSession) -> None:
+    async with session.get(f"{stub.url}/health") as resp:
+        assert resp.status == 200 and await resp.read() == b""
+    stub.health_status = 503
+    async with session.get(f"{stub.url}/health_generate") as resp:
+        assert resp.status == 503
+    assert [r.path for r in stub.received] == ["/health", "/health_generate"]
+
+
+async def test_disconnect_tracking(stub: StubBackend, session: aiohttp.ClientSession) -> None:
+    body = {"text": "x", "stream": True, "sampling_params": {"max_new_tokens": 50}}
+    headers = {"X-Stub-Chunk-Delay-Ms": "5000"}
+    timeout = aiohttp.ClientTimeout(sock_read=0.2)
+    with pytest.raises(asyncio.TimeoutError):
+        async with session.post(
+            f"{stub.url}/generate", json=body, headers=headers, timeout=timeout
+        ) as resp:
+            async for _ in resp.content:
+                pass
+    await asyncio.wait_for(stub.disconnect_event.wait(), timeout=1.0)
+    assert stub.cancelled == 1 and stub.completed == 0
+
+
+async def test_idle_close(session: aiohttp.ClientSession) -> None:
+    backend = StubBackend(idle_close_s=0.1)
+    await backend.start()
+    try:
+        status, _, _ = await post(session, f"{backend.url}/generate", {"text": "x"})
+        assert status == 200
+        await asyncio.sleep(0.3)
+        # The pooled connection was closed by the stub; aiohttp retries on a fresh one.
+        status, _, _ = await post(session, f"{backend.url}/generate", {"text": "x"})
+        assert status == 200
+    finally:
+        await backend.stop()
+
+
+async def test_cli_prints_bound_port() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway.stub", "--port", "0", "--model", "cli-model",
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), timeout=20)).decode().strip()
+        assert line.startswith("stub listening on http://127.0.0.1:")
+        async with (
+            aiohttp.ClientSession() as client,
+            client.get(f"{line.rsplit(' ', 1)[1]}/v1/models") as resp,
+        ):
+            assert (await resp.json())["data"][0]["id"] == "cli-model"
+    finally:
+        proc.terminate()
+        assert await asyncio.wait_for(proc.wait(), timeout=10) == 0
