@@ -43,14 +43,8 @@ MASK_TOP_K_MESSAGE = (
     " masks in the tail, blowing up metadata, so we need a safety cap."
 )
 GENERATION_PATHS = frozenset(
-    {
-        "/generate",
-        "/v1/chat/completions",
-        "/invocations",
-        "/v1/completions",
-        "/v1/responses",
-        "/vertex_generate",
-    }
+    {"/generate", "/v1/chat/completions", "/invocations", "/v1/completions"}
+    | {"/v1/responses", "/vertex_generate"}
 )
 _TRUE_STRINGS = frozenset({"true", "t", "y", "yes", "on", "1"})
 _PAD_SENTINEL = "\x00stub-padding\x00"
@@ -85,17 +79,14 @@ class _Ctx:
 _CTX = web.RequestKey("stub_ctx", _Ctx)
 
 
+@dataclass(eq=False)
 class _Reject(Exception):
     """A request SGLang would refuse; `admission` marks refusals a stream reports in-band."""
 
-    def __init__(
-        self, message: str, status: int = 400, *, parse: bool = False, admission: bool = False
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.parse = parse
-        self.admission = admission
+    message: str
+    status: int = 400
+    parse: bool = False
+    admission: bool = False
 
 
 @dataclass(slots=True)
@@ -114,12 +105,7 @@ def _error(path: str, message: str, status: int, *, parse: bool = False) -> web.
     if status in (204, 304) or status < 200:
         return web.Response(status=status)
     if parse or path.startswith("/v1/") or path == "/invocations":
-        if parse:
-            kind = "Bad Request"
-        elif status == 400:
-            kind = "BadRequestError"
-        else:
-            kind = _phrase(status)
+        kind = "Bad Request" if parse else "BadRequestError" if status == 400 else _phrase(status)
         body = {"object": "error", "message": message, "type": kind, "param": None, "code": status}
         return _json(body, status)
     return _json({"error": {"message": message}}, status)
@@ -206,9 +192,9 @@ def _words(value: object) -> int:
     if isinstance(value, str):
         return max(1, len(value.split()))
     if isinstance(value, list):
-        return (
-            sum(_words(v) for v in value) if value and not isinstance(value[0], int) else len(value)
-        )
+        if value and all(isinstance(v, int) for v in value):
+            return len(value)  # token ids
+        return sum(_words(v) for v in value)
     if isinstance(value, dict):
         return _words(value.get("content"))
     return 1
@@ -237,27 +223,16 @@ def _generate_items(body: _Json) -> tuple[list[_Item], bool]:
         prompts, batch = [input_ids], False
     else:
         raise _Reject("Either text, input_ids or input_embeds should be provided.")
-    params, mask, rid = (
-        body.get("sampling_params"),
-        body.get("return_sampling_mask"),
-        body.get("rid"),
-    )
+    params, mask, rid = (body.get(k) for k in ("sampling_params", "return_sampling_mask", "rid"))
     items = []
     for i, prompt in enumerate(prompts):
         sp = params[i] if isinstance(params, list) and i < len(params) else params
         sp = sp if isinstance(sp, dict) else {}
         on = mask[i] if batch and isinstance(mask, list) and i < len(mask) else mask
+        mask_k = _mask_top_k(sp.get("top_k"), sp.get("temperature")) if _lax_bool(on) else None
         item_rid = rid[i] if isinstance(rid, list) and i < len(rid) else rid
-        items.append(
-            _Item(
-                prompt_tokens=_words(prompt),
-                max_new=_max_tokens(sp.get("max_new_tokens")),
-                mask_k=_mask_top_k(sp.get("top_k"), sp.get("temperature"))
-                if _lax_bool(on)
-                else None,
-                rid=item_rid if isinstance(item_rid, str) else uuid.uuid4().hex,
-            )
-        )
+        item_rid = item_rid if isinstance(item_rid, str) else uuid.uuid4().hex
+        items.append(_Item(_words(prompt), _max_tokens(sp.get("max_new_tokens")), mask_k, item_rid))
     return items, batch
 
 
@@ -302,7 +277,14 @@ def _sse(obj: object) -> bytes:
 
 
 class StubBackend:
-    """An SGLang look-alike; attributes mirror the constructor and may be changed at run time."""
+    """An SGLang look-alike; attributes mirror the constructor and may be changed at run time.
+
+    The ``X-Stub-*`` request headers script any route; the constructor's ``delay_s``,
+    ``fail_status`` and ``drop`` script the generation routes only, so that health probes and
+    info calls keep working while generation fails. Every request lands in ``received``, then
+    in exactly one of ``completed``, ``cancelled`` (the client went away) or ``dropped`` (the
+    stub cut the connection on purpose).
+    """
 
     def __init__(
         self,
@@ -374,7 +356,7 @@ class StubBackend:
             handler_cancellation=True,
             keepalive_timeout=keepalive,
             access_log=None,
-            shutdown_timeout=0.5,
+            shutdown_timeout=0.1,
         )
         await runner.setup()
         site = web.TCPSite(runner, host, port)
@@ -418,13 +400,16 @@ class StubBackend:
             ctx = _Ctx(index=len(self.received), sha256=digest, started=time.monotonic())
             request[_CTX] = ctx
             response = await self._dispatch(request, handler, ctx)
-        except asyncio.CancelledError:
-            # Our own transport.abort() also cancels the handler; only count the client leaving.
+        except (asyncio.CancelledError, ConnectionResetError) as exc:
+            # Only the client leaving counts, not a scripted drop or our own shutdown. A write can
+            # notice the loss before the cancellation arrives, hence ConnectionResetError too.
             ctx_now = request.get(_CTX)
             if not self._stopping and not (ctx_now is not None and ctx_now.dropped):
                 self.cancelled += 1
                 self.disconnect_event.set()
-            raise
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return web.Response()  # nobody is left to read it
         finally:
             self._running -= generation
         if ctx.dropped:
@@ -468,9 +453,9 @@ class StubBackend:
 
         if ctx.drop == "mid-body" and isinstance(response, web.Response) and not response.prepared:
             body = response.body if isinstance(response.body, bytes) else b""
-            half = len(body) // 2
+            halves = [body[: len(body) // 2], body[len(body) // 2 :]]
             return await self._send_chunks(
-                request, [body[:half], body[half:]], len(body), response.status, response
+                request, halves, len(body), response.status, response.content_type
             )
         return response
 
@@ -508,12 +493,12 @@ class StubBackend:
         chunks: Iterable[bytes],
         total: int,
         status: int = 200,
-        like: web.StreamResponse | None = None,
+        content_type: str = "application/json",
     ) -> web.StreamResponse:
         """Write a body of known length chunk by chunk, honouring chunk delay and mid-body drop."""
         ctx = request[_CTX]
         resp = web.StreamResponse(status=status)
-        resp.content_type = like.content_type if like is not None else "application/json"
+        resp.content_type = content_type
         resp.content_length = total
         await resp.prepare(request)
         sent = 0
@@ -569,7 +554,7 @@ class StubBackend:
         self._generated_tokens += sum(it.max_new for it in items)
         payload: object = outs if batch else outs[0]
         target = _header_int(request, "X-Stub-Response-Bytes")
-        if target is None:
+        if target is None or not outs:
             return _json(payload)
         outs[0]["meta_info"]["output_token_sampling_mask"] = _PAD_SENTINEL
         head, _, tail = orjson.dumps(payload).partition(orjson.dumps(_PAD_SENTINEL))
@@ -615,12 +600,7 @@ class StubBackend:
             return await self._choice_stream(request, base, n, delta)
         prompt = _words(body.get("messages"))
         message = {"role": "assistant", "content": self._text(n), "tool_calls": None}
-        choice: _Json = {
-            "index": 0,
-            "message": message,
-            "logprobs": None,
-            "finish_reason": "length",
-        }
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": "length"}
         if with_meta:
             item = _Item(prompt, n, mask_k, base["id"])
             choice["meta_info"] = _generate_out(item, n, request[_CTX].started)["meta_info"]
@@ -655,9 +635,8 @@ class StubBackend:
     def _openai_base(self, body: _Json, prefix: str, obj: str) -> _Json:
         model = body.get("model")
         model = model if isinstance(model, str) else self.model
-        return {"id": prefix + uuid.uuid4().hex, "object": obj, "created": int(time.time())} | {
-            "model": model
-        }
+        created = int(time.time())
+        return {"id": prefix + uuid.uuid4().hex, "object": obj, "created": created, "model": model}
 
     def _text(self, n: int) -> str:
         self._generated_tokens += n
@@ -754,9 +733,7 @@ class StubBackend:
             "# TYPE sglang:num_requests_total counter",
             f"sglang:num_requests_total{label} {float(len(self.generation_requests()))}",
         ]
-        return web.Response(
-            text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8"
-        )
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 
 # --- CLI -------------------------------------------------------------------------------------
