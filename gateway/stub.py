@@ -37,6 +37,7 @@ VOCAB_SIZE = 32000
 DEFAULT_MAX_NEW_TOKENS = 16
 MAX_NEW_TOKENS_CAP = 4096
 PAD_CHUNK = 64 * 1024
+PAD_RESERVE = 4096
 MID_BODY_EVENTS = 2
 MASK_TOP_K_MESSAGE = (
     "return_sampling_mask requires finite top_k; top_p-only sampling is valid but can return huge"
@@ -48,6 +49,7 @@ GENERATION_PATHS = frozenset(
 )
 _TRUE_STRINGS = frozenset({"true", "t", "y", "yes", "on", "1"})
 _PAD_SENTINEL = "\x00stub-padding\x00"
+_PAD_ROW = b"[" + b",".join(str(i).encode() for i in range(16)) + b"]"
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 _Json = dict[str, Any]
@@ -251,21 +253,25 @@ def _generate_out(item: _Item, n: int, started: float, *, final: bool = True) ->
     return {"text": "".join(_pieces(n)), "output_ids": _ids(n), "meta_info": meta}
 
 
-def _padding(size: int) -> Iterator[bytes]:
-    """`size` bytes of JSON array contents: rows of token ids, then blanks to hit it exactly."""
-    row = b"[" + b",".join(str(i).encode() for i in range(16)) + b"]"
-    if size < len(row):
-        yield b" " * size
-        return
-    yield row
-    unit = b"," + row
-    units, blanks = divmod(size - len(row), len(unit))
-    per_block = PAD_CHUNK // len(unit)
-    block = unit * per_block
-    full, rest = divmod(units, per_block)
-    for _ in range(full):
-        yield block
-    yield unit * rest + b" " * blanks
+def _padding(budget: int, size: int) -> tuple[int, Iterator[bytes]]:
+    """JSON array contents: as many rows of ids as fit in `budget`, then blanks up to `size`."""
+    unit = b"," + _PAD_ROW
+    rows = max(0, budget // len(unit))
+    filled = max(0, rows * len(unit) - 1)  # the first row has no comma
+    blanks = max(0, size - filled)
+
+    def chunks() -> Iterator[bytes]:
+        # One reused block of rows: a 64 MB body never exists in memory at once.
+        per_block = PAD_CHUNK // len(unit)
+        full, rest = divmod(max(0, rows - 1), per_block)
+        if rows:
+            yield _PAD_ROW
+        block = unit * per_block
+        for _ in range(full):
+            yield block
+        yield unit * rest + b" " * blanks
+
+    return filled + blanks, chunks()
 
 
 def _usage(prompt: int, n: int) -> _Json:
@@ -558,9 +564,12 @@ class StubBackend:
             return _json(payload)
         outs[0]["meta_info"]["output_token_sampling_mask"] = _PAD_SENTINEL
         head, _, tail = orjson.dumps(payload).partition(orjson.dumps(_PAD_SENTINEL))
-        pad = max(0, target - len(head) - len(tail) - 2)
-        chunks = itertools.chain([head + b"["], _padding(pad), [b"]" + tail])
-        return await self._send_chunks(request, chunks, len(head) + len(tail) + 2 + pad)
+        # The row count depends on the target alone, so identical requests get identical bodies
+        # whatever the digits of their latencies; blanks then bring the size to the target.
+        overhead = len(head) + len(tail) + 2
+        size, padding = _padding(target - PAD_RESERVE, target - overhead)
+        chunks = itertools.chain([head + b"["], padding, [b"]" + tail])
+        return await self._send_chunks(request, chunks, overhead + size)
 
     def _generate_events(
         self, request: web.Request, items: list[_Item], batch: bool, ctx: _Ctx

@@ -6,7 +6,6 @@ import asyncio
 import hashlib
 import sys
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -15,20 +14,6 @@ import pytest
 from yarl import URL
 
 from gateway.stub import MASK_TOP_K_MESSAGE, StubBackend
-
-
-@pytest.fixture
-async def stub() -> AsyncIterator[StubBackend]:
-    backend = StubBackend()
-    await backend.start()
-    yield backend
-    await backend.stop()
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as client:
-        yield client
 
 
 async def post(
@@ -324,16 +309,27 @@ async def test_drop_mid_body(stub: StubBackend, session: aiohttp.ClientSession) 
     assert stub.dropped == 2 and stub.cancelled == 0
 
 
-async def test_response_bytes(stub: StubBackend, session: aiohttp.ClientSession) -> None:
-    target = 5 * 1024 * 1024
+@pytest.mark.parametrize("target", [10, 5000, 5 * 1024 * 1024])
+async def test_response_bytes(
+    stub: StubBackend, session: aiohttp.ClientSession, target: int
+) -> None:
     headers = {"X-Stub-Response-Bytes": str(target)}
     body = {"text": "x", "sampling_params": {"max_new_tokens": 2}}
-    async with session.post(f"{stub.url}/generate", json=body, headers=headers) as resp:
-        raw = await resp.read()
-    assert resp.status == 200 and len(raw) == target
-    out = orjson.loads(raw)
-    assert out["meta_info"]["completion_tokens"] == 2
-    assert len(out["meta_info"]["output_token_sampling_mask"]) > 1000
+    bodies = []
+    for _ in range(2):
+        async with session.post(f"{stub.url}/generate", json=body, headers=headers) as resp:
+            assert resp.status == 200
+            bodies.append(await resp.read())
+    outs = [orjson.loads(raw) for raw in bodies]
+    assert outs[0]["meta_info"]["completion_tokens"] == 2
+    if target > 1000:
+        assert len(bodies[0]) == len(bodies[1]) == target
+    # Only the volatile fields differ between identical requests, never the padding.
+    for out in outs:
+        del out["meta_info"]["id"], out["meta_info"]["e2e_latency"]
+    assert outs[0] == outs[1]
+    if target > 1_000_000:
+        assert len(outs[0]["meta_info"]["output_token_sampling_mask"]) > 1000
 
 
 async def test_sha256_count_and_request_id_echo(

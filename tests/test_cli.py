@@ -1,0 +1,180 @@
+"""The command line as an operator uses it: real processes, real signals."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import orjson
+import pytest
+
+from gateway.stub import StubBackend
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+async def run_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "gateway",
+        *args,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), timeout=30)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_check_config_prints_the_frozen_config() -> None:
+    code, out, _ = await run_cli("--check-config", "--backend", "http://127.0.0.1:30000")
+    assert code == 0
+    cfg = orjson.loads(out)
+    assert cfg["backends"]["static"] == ["http://127.0.0.1:30000"]
+    assert cfg["policy"]["sampling_mask"]["mode"] == "enforce"
+
+
+async def test_example_configs_are_valid() -> None:
+    files = sorted((ROOT / "config").glob("*.yaml"))
+    assert files
+    for path in files:
+        code, _, err = await run_cli("--check-config", "--config", str(path))
+        assert code == 0, (path, err)
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "expected"),
+    [
+        (
+            "backends: {static: [http://a:1]}\nlisten: {prot: 8080}\n",
+            r"listen\.prot: value 8080: Extra inputs",
+        ),
+        (
+            "backends: {static: ['ftp://x']}\n",
+            r"backends\.static\[0\]: value 'ftp://x': must be an http",
+        ),
+        ("backends: {static: []}\n", r"backends: .*at least one URL"),
+        (
+            "backends: {static: [http://a:1]}\nlisten: {port: 70000}\n",
+            r"listen\.port: value 70000: .*less than or equal",
+        ),
+        (
+            "backends: {static: [http://a:1]}\nroutes: {passthrough: [/generate]}\n",
+            r"routes: .*generation routes cannot be passthrough: /generate",
+        ),
+        ("- just\n- a list\n", r"top level must be a mapping"),
+        ("backends: {static: [http://a:1]\n", r"not valid YAML"),
+    ],
+)
+async def test_bad_config_exits_2_with_path_value_and_reason(
+    tmp_path: Path, yaml_text: str, expected: str
+) -> None:
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(yaml_text)
+    code, _, err = await run_cli("--config", str(cfg), "--check-config")
+    assert code == 2
+    assert re.search(expected, err), err
+
+
+async def test_refuses_to_run_without_the_c_parser() -> None:
+    code, _, err = await run_cli(
+        "--backend", "http://127.0.0.1:9", "--port", "0", env={"AIOHTTP_NO_EXTENSIONS": "1"}
+    )
+    assert code == 1
+    assert "C HTTP parser" in err
+
+
+@pytest.fixture
+async def gateway_process(
+    stub: StubBackend,
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, int, int]]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "gateway",
+        "--backend",
+        stub.url,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--admin-port",
+        "0",
+        cwd=ROOT,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert proc.stderr is not None
+    port = admin = 0
+    async with asyncio.timeout(20):
+        while not port:
+            line = (await proc.stderr.readline()).decode()
+            assert line, "gateway exited before listening"
+            m = re.search(r"listening on 127\.0\.0\.1:(\d+) \(admin 127\.0\.0\.1:(\d+)\)", line)
+            if m:
+                port, admin = int(m.group(1)), int(m.group(2))
+    yield proc, port, admin
+    if proc.returncode is None:
+        proc.kill()
+        await proc.wait()
+
+
+async def test_sigterm_drains_streams_then_exits_0(
+    stub: StubBackend, gateway_process: tuple[asyncio.subprocess.Process, int, int]
+) -> None:
+    proc, port, admin = gateway_process
+    body = orjson.dumps({"text": "x", "stream": True, "sampling_params": {"top_k": 2}})
+    hdrs = {
+        "Content-Type": "application/json",
+        "X-Stub-Chunk-Delay-Ms": "100",
+        "X-Stub-Events": "10",
+    }
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"http://127.0.0.1:{admin}/livez") as r:
+            assert r.status == 200
+        async with s.post(f"http://127.0.0.1:{port}/generate", data=body, headers=hdrs) as r:
+            assert r.status == 200
+            first = await r.content.readuntil(b"\n\n")
+            assert first.startswith(b"data: ")
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.1)
+            async with s.get(f"http://127.0.0.1:{admin}/readyz") as ready:
+                assert ready.status == 503
+                assert (await ready.json())["reason"] == "draining"
+            with pytest.raises(aiohttp.ClientConnectorError):
+                async with s.get(f"http://127.0.0.1:{port}/health") as _:
+                    pass
+            rest = await r.read()
+    assert rest.endswith(b"data: [DONE]\n\n")
+    assert await asyncio.wait_for(proc.wait(), timeout=10) == 0
+
+
+async def test_stub_runs_as_a_module() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "gateway.stub",
+        "--port",
+        "0",
+        cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert proc.stdout is not None
+    try:
+        line = (await asyncio.wait_for(proc.stdout.readline(), timeout=20)).decode()
+        url = re.search(r"stub listening on (http://\S+)", line)
+        assert url, line
+        async with aiohttp.ClientSession() as s, s.get(url.group(1) + "/health") as r:
+            assert r.status == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), timeout=10) == 0
