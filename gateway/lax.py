@@ -58,9 +58,13 @@ def lax_int(value: object, field: str) -> int | None:
     if isinstance(value, bool | int):
         return int(value)
     if isinstance(value, float):
-        if value.is_integer():
-            return int(value)
-        raise Invalid(field, "Input should be a valid integer, got a number with a fractional part")
+        if not value.is_integer():
+            raise Invalid(
+                field, "Input should be a valid integer, got a number with a fractional part"
+            )
+        if abs(value) >= 2.0**63:
+            raise Invalid(field, "Input should be a valid integer, unable to parse as int64")
+        return int(value)
     if isinstance(value, str) and _INT_STRING.match(value):
         return int(value)
     raise Invalid(field, "Input should be a valid integer")

@@ -113,7 +113,7 @@ class MaskPolicy:
         flags: list[bool]
         if isinstance(raw_mask, list):
             values = [lax_bool(v, f"return_sampling_mask[{i}]") for i, v in enumerate(raw_mask)]
-            if any(_parallel(p) for p in param_list) and raw_mask:
+            if any(_parallel(p) for p in param_list):
                 return Rejection(400, "sampling_mask", "parallel_mask_list", PARALLEL_LIST_MESSAGE)
             # On a single request any non-empty list is truthy in SGLang, even [false].
             flags = [bool(values)] if batch_size is None else [bool(v) for v in values]

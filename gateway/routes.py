@@ -110,7 +110,10 @@ class RouteTable:
         )
         for path, methods in OPERATIONAL_ROUTES.items():
             by_path[path] = Route(path, Kind.PASSTHROUGH, methods, Family.PLAIN)
-        for path in extra_passthrough:
+        for configured in extra_passthrough:
+            # Stored canonical, so an encoded spelling of a generation route cannot be
+            # configured past the check below and then match before decoding.
+            path = canonical_path(configured)
             if path in by_path and by_path[path].inspected:
                 # An inspected route configured as passthrough would be a hole in the filter.
                 raise ValueError(f"{path} is a generation route and cannot be passthrough")
