@@ -1,18 +1,22 @@
-"""Backend state and selection: who can take the next request.
+"""Backend state and membership: who can take the next request.
 
-One pool owns all mutable per-backend state (health, in-flight count, passive ejection);
-balancers only choose among the candidates it offers. No I/O here: the health prober
-and the proxy report outcomes in, the pool decides.
+One pool owns all mutable per-backend state (health, in-flight count, passive ejection)
+and the membership, which discovery replaces with immutable snapshots. Balancers only
+choose among the candidates it offers. No I/O here: the prober and the proxy report
+outcomes in, the pool decides.
 """
 
 from __future__ import annotations
 
 import enum
-import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gateway.balancers import Balancer
 
 log = logging.getLogger("gateway.backends")
 
@@ -20,18 +24,22 @@ log = logging.getLogger("gateway.backends")
 class Health(enum.Enum):
     UNKNOWN = "unknown"  # not probed yet: routable, but does not make the gateway ready
     HEALTHY = "healthy"
-    UNHEALTHY = "unhealthy"
+    UNHEALTHY = "unhealthy"  # failed active probes: no traffic until probes pass again
 
 
 class Backend:
     """One upstream SGLang server and what the gateway knows about it."""
 
     __slots__ = (
+        "connect_failures",
         "ejected_until",
-        "failures",
+        "ejections",
+        "errors_5xx",
         "health",
         "inflight",
-        "successes",
+        "probe_failures",
+        "probe_successes",
+        "removed",
         "url",
     )
 
@@ -39,58 +47,30 @@ class Backend:
         self.url = url
         self.health = Health.UNKNOWN
         self.inflight = 0
-        self.failures = 0  # consecutive failed probes or connects
-        self.successes = 0  # consecutive good probes
+        self.probe_failures = 0  # consecutive failed probes
+        self.probe_successes = 0  # consecutive good probes
+        self.connect_failures = 0  # consecutive refused/timed-out connects
+        self.errors_5xx = 0  # consecutive 5xx answers
+        self.ejections = 0  # consecutive ejections, for the back-off
         self.ejected_until = 0.0
+        self.removed = False  # dropped from membership; in-flight requests still finish
 
     def __repr__(self) -> str:
         return f"Backend({self.url!r}, {self.health.value}, inflight={self.inflight})"
 
 
-class Balancer(Protocol):
-    def choose(self, candidates: Sequence[Backend]) -> Backend: ...
+@dataclass(frozen=True, slots=True)
+class PassivePolicy:
+    """When live traffic takes a backend out, and for how long."""
 
-
-class RoundRobin:
-    __slots__ = ("_counter",)
-
-    def __init__(self) -> None:
-        self._counter = itertools.count()
-
-    def choose(self, candidates: Sequence[Backend]) -> Backend:
-        return candidates[next(self._counter) % len(candidates)]
-
-
-class LeastInflight:
-    """Fewest requests in flight: LLM requests vary 1000x in cost, so load beats turns.
-
-    Ties rotate, so an idle fleet still spreads requests instead of piling on the first.
-    """
-
-    __slots__ = ("_counter",)
-
-    def __init__(self) -> None:
-        self._counter = itertools.count()
-
-    def choose(self, candidates: Sequence[Backend]) -> Backend:
-        n = len(candidates)
-        start = next(self._counter) % n
-        best = candidates[start]
-        for i in range(1, n):
-            b = candidates[(start + i) % n]
-            if b.inflight < best.inflight:
-                best = b
-        return best
-
-
-BALANCERS: dict[str, Callable[[], Balancer]] = {
-    "least_inflight": LeastInflight,
-    "round_robin": RoundRobin,
-}
+    consecutive_connect_failures: int = 1
+    consecutive_5xx: int = 5
+    base_eject_s: float = 2.0
+    max_eject_s: float = 60.0
 
 
 class BackendPool:
-    """The backends of the current snapshot and their health."""
+    """The current membership and its state."""
 
     def __init__(
         self,
@@ -99,33 +79,109 @@ class BackendPool:
         *,
         healthy_threshold: int = 1,
         unhealthy_threshold: int = 3,
-        eject_s: float = 5.0,
+        passive: PassivePolicy = PassivePolicy(),
+        max_inflight: int | None = None,
+        probes: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.backends: tuple[Backend, ...] = tuple(Backend(u) for u in dict.fromkeys(urls))
+        self.backends: tuple[Backend, ...] = ()
+        self._probes = probes
         self._balancer = balancer
         self._healthy_threshold = healthy_threshold
         self._unhealthy_threshold = unhealthy_threshold
-        self._eject_s = eject_s
+        self._passive = passive
+        self._max_inflight = max_inflight
         self._clock = clock
+        self.update(urls)
 
-    def _routable(self, b: Backend, now: float) -> bool:
-        if b.health is Health.UNHEALTHY:
-            return False
-        return b.ejected_until <= now
+    # -- membership ----------------------------------------------------------------------
 
-    def pick(self, exclude: Sequence[Backend] = ()) -> Backend | None:
+    def update(self, urls: Iterable[str]) -> tuple[list[Backend], list[Backend]]:
+        """Replace the membership; unchanged backends keep their state.
+
+        Removed backends are only marked: requests already on them hold a reference and
+        finish normally. Returns (added, removed).
+        """
+        wanted = list(dict.fromkeys(urls))
+        current = {b.url: b for b in self.backends}
+        added = [Backend(u) for u in wanted if u not in current]
+        fresh = {b.url: b for b in added}
+        kept = set(wanted)
+        removed = [b for url, b in current.items() if url not in kept]
+        for b in removed:
+            b.removed = True
+        self.backends = tuple(current.get(u) or fresh[u] for u in wanted)
+        self._balancer.set_members(wanted)
+        if added or removed:
+            log.info(
+                "membership: %d backends (+%d -%d)%s%s",
+                len(self.backends),
+                len(added),
+                len(removed),
+                "".join(f" +{b.url}" for b in added),
+                "".join(f" -{b.url}" for b in removed),
+            )
+        return added, removed
+
+    def reconfigure(
+        self,
+        balancer: Balancer,
+        *,
+        healthy_threshold: int,
+        unhealthy_threshold: int,
+        passive: PassivePolicy,
+        max_inflight: int | None,
+        probes: bool,
+    ) -> None:
+        """Swap policies on reload; backend state is kept."""
+        self._probes = probes
+        balancer.set_members([b.url for b in self.backends])
+        self._balancer = balancer
+        self._healthy_threshold = healthy_threshold
+        self._unhealthy_threshold = unhealthy_threshold
+        self._passive = passive
+        self._max_inflight = max_inflight
+
+    # -- selection -----------------------------------------------------------------------
+
+    def pick(self, exclude: Sequence[Backend] = (), key: str | None = None) -> Backend | None:
+        """A routable backend below its concurrency cap, or None."""
         now = self._clock()
-        candidates = [b for b in self.backends if b not in exclude and self._routable(b, now)]
+        cap = self._max_inflight
+        candidates = [
+            b
+            for b in self.backends
+            if b.health is not Health.UNHEALTHY
+            and b.ejected_until <= now
+            and (cap is None or b.inflight < cap)
+            and b not in exclude
+        ]
         if not candidates:
             return None
-        return self._balancer.choose(candidates)
+        return self._balancer.choose(candidates, key)
+
+    def saturated(self, exclude: Sequence[Backend] = ()) -> bool:
+        """Some routable backend exists but all of them are at their concurrency cap.
+
+        Then waiting briefly for a slot makes sense; otherwise nothing will come.
+        """
+        if self._max_inflight is None:
+            return False
+        now = self._clock()
+        return any(
+            b.health is not Health.UNHEALTHY and b.ejected_until <= now and b not in exclude
+            for b in self.backends
+        )
 
     @property
     def ready(self) -> bool:
-        """At least one backend has been seen working and is not ejected."""
+        """At least one backend has been seen working (or, with probes off, is not known to
+        be broken) and is not ejected."""
         now = self._clock()
-        return any(b.health is Health.HEALTHY and b.ejected_until <= now for b in self.backends)
+        ok = (Health.HEALTHY,) if self._probes else (Health.HEALTHY, Health.UNKNOWN)
+        return any(b.health in ok and b.ejected_until <= now for b in self.backends)
+
+    # -- outcomes ----------------------------------------------------------------------
 
     def _set(self, b: Backend, health: Health, why: str) -> None:
         if b.health is not health:
@@ -135,33 +191,55 @@ class BackendPool:
             b.health = health
 
     def probe_ok(self, b: Backend) -> None:
-        b.failures = 0
-        b.successes += 1
-        if b.health is not Health.HEALTHY and b.successes >= self._healthy_threshold:
-            b.ejected_until = 0.0
+        b.probe_failures = 0
+        b.probe_successes += 1
+        if b.health is not Health.HEALTHY and b.probe_successes >= self._healthy_threshold:
+            if b.ejected_until:
+                # A passing probe ends a passive ejection early.
+                b.ejected_until = 0.0
+                b.ejections = 0
+                b.connect_failures = b.errors_5xx = 0
             self._set(b, Health.HEALTHY, "probe succeeded")
 
     def probe_failed(self, b: Backend, why: str) -> None:
-        b.successes = 0
-        b.failures += 1
-        if b.health is Health.UNKNOWN or b.failures >= self._unhealthy_threshold:
+        b.probe_successes = 0
+        b.probe_failures += 1
+        if b.health is Health.UNKNOWN or b.probe_failures >= self._unhealthy_threshold:
             self._set(b, Health.UNHEALTHY, why)
 
-    def request_ok(self, b: Backend) -> None:
-        """A request got a response: the backend is reachable."""
-        b.failures = 0
+    def response(self, b: Backend, status: int) -> None:
+        """A backend answered. 5xx in a row eject it; a 4xx (a refusal of the request, not
+        a sign of a broken backend) counts neither way."""
+        b.connect_failures = 0
+        if status >= 500:
+            b.errors_5xx += 1
+            if b.errors_5xx >= self._passive.consecutive_5xx:
+                self._eject(b, f"{b.errors_5xx} consecutive 5xx")
+                b.errors_5xx = 0
+            return
+        if status < 400:
+            b.errors_5xx = 0
+            b.ejections = 0
         if b.health is Health.UNKNOWN:
             self._set(b, Health.HEALTHY, "answered a request")
 
     def connect_failed(self, b: Backend, why: str) -> None:
-        """Passive ejection: a refused connection takes the backend out for a while.
+        """Passive ejection: refused connections take the backend out for a while.
 
-        Nothing was sent, so the request itself moves on to another backend. The prober
-        (or, with probes off, the end of the ejection period) lets it back in.
+        Nothing was sent, so the request itself moves on to another backend. The prober,
+        or the end of the ejection period, lets it back in.
         """
-        b.successes = 0
-        b.failures += 1
+        b.connect_failures += 1
+        if b.connect_failures >= self._passive.consecutive_connect_failures:
+            self._eject(b, why)
+            b.connect_failures = 0
+
+    def _eject(self, b: Backend, why: str) -> None:
         now = self._clock()
+        p = self._passive
+        # Exponential back-off, so a dead backend costs ever fewer failed attempts.
+        period = min(p.max_eject_s, p.base_eject_s * (2 ** min(b.ejections, 16)))
         if b.ejected_until <= now:
-            log.warning("backend %s: ejected for %.1fs (%s)", b.url, self._eject_s, why)
-        b.ejected_until = now + self._eject_s
+            log.warning("backend %s: ejected for %.1fs (%s)", b.url, period, why)
+        b.ejections += 1
+        b.ejected_until = now + period

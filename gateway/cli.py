@@ -56,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if args.backend:
+        out["backends.discovery"] = "static"
         out["backends.static"] = list(args.backend)
     if args.host is not None:
         out["listen.host"] = args.host
@@ -138,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from gateway.server import serve  # noqa: PLC0415 - keeps --check-config light
 
     try:
-        run_loop(serve(cfg))
+        run_loop(serve(cfg, config_path=args.config, overrides=_overrides(args)))
     except OSError as exc:
         log.error("cannot start: %s", exc)
         return 1

@@ -99,25 +99,92 @@ class HealthConfig(_Model):
     unhealthy_threshold: Annotated[int, Field(ge=1, le=100)] = 3
 
 
-class BackendsConfig(_Model):
-    discovery: Literal["static"] = "static"
-    static: list[BackendUrl] = Field(default_factory=list)
-    balancer: Literal["least_inflight", "round_robin"] = "least_inflight"
-    # Attempts per request when a connection cannot be opened (nothing was sent yet).
-    connect_attempts: Annotated[int, Field(ge=1, le=10)] = 3
-    health: HealthConfig = HealthConfig()
+class PassiveConfig(_Model):
+    """Ejection by live traffic, with exponential back-off between ejections."""
+
+    consecutive_connect_failures: Annotated[int, Field(ge=1, le=1000)] = 1
+    consecutive_5xx: Annotated[int, Field(ge=1, le=1000)] = 5
+    base_eject_s: Seconds = 2.0
+    max_eject_s: Seconds = 60.0
+
+
+class DnsConfig(_Model):
+    # e.g. a Kubernetes headless Service: sglang.llm.svc.cluster.local
+    name: Annotated[str, Field(min_length=1, max_length=253)]
+    port: Annotated[int, Field(ge=1, le=65535)]
+    scheme: Literal["http", "https"] = "http"
+    interval_s: Seconds = 5.0
+
+
+class KubernetesConfig(_Model):
+    namespace: Annotated[str, Field(min_length=1)] = "default"
+    # Exactly one: a Service name (its EndpointSlices) or a label selector on the slices.
+    service: str | None = None
+    label_selector: str | None = None
+    # Exactly one: the port number, or the name of the slice's port.
+    port: Annotated[int, Field(ge=1, le=65535)] | None = None
+    port_name: str | None = None
+    scheme: Literal["http", "https"] = "http"
+    # A full relist this often, besides the watch, so a missed event cannot linger.
+    resync_s: Seconds = 60.0
+    api_server: str = "https://kubernetes.default.svc"
+    token_file: str | None = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    ca_file: str | None = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
 
     @model_validator(mode="after")
-    def _has_backends(self) -> BackendsConfig:
+    def _one_of_each(self) -> KubernetesConfig:
+        if (self.service is None) == (self.label_selector is None):
+            raise ValueError("set exactly one of service or label_selector")
+        if (self.port is None) == (self.port_name is None):
+            raise ValueError("set exactly one of port or port_name")
+        return self
+
+    @property
+    def selector(self) -> str:
+        if self.service is not None:
+            return f"kubernetes.io/service-name={self.service}"
+        assert self.label_selector is not None
+        return self.label_selector
+
+
+class BackendsConfig(_Model):
+    discovery: Literal["static", "dns", "kubernetes"] = "static"
+    static: list[BackendUrl] = Field(default_factory=list)
+    dns: DnsConfig | None = None
+    kubernetes: KubernetesConfig | None = None
+    balancer: Literal["least_inflight", "round_robin", "power_of_two", "consistent_hash"] = (
+        "least_inflight"
+    )
+    # consistent_hash: the request header whose value picks the worker (RL session id).
+    hash_header: Annotated[str, Field(min_length=1)] = "X-Session-Id"
+    seed: int | None = None  # for reproducible power_of_two choices
+    # Attempts per request when a connection cannot be opened (nothing was sent yet).
+    connect_attempts: Annotated[int, Field(ge=1, le=10)] = 3
+    # Requests in flight per backend; more wait up to queue_timeout_s for a slot, then 503.
+    max_inflight_per_backend: Annotated[int, Field(ge=1, le=1_000_000)] = 1024
+    queue_timeout_s: Annotated[float, Field(ge=0, le=3600)] = 5.0
+    health: HealthConfig = HealthConfig()
+    passive: PassiveConfig = PassiveConfig()
+
+    @model_validator(mode="after")
+    def _discovery_configured(self) -> BackendsConfig:
         if self.discovery == "static" and not self.static:
             raise ValueError("static discovery needs at least one URL in backends.static")
+        if self.discovery == "dns" and self.dns is None:
+            raise ValueError("dns discovery needs a backends.dns section (name, port)")
+        if self.discovery == "kubernetes" and self.kubernetes is None:
+            raise ValueError("kubernetes discovery needs a backends.kubernetes section")
         return self
 
 
 class TimeoutsConfig(_Model):
     connect_s: Seconds = 5.0
-    # Time to first response byte and the longest silence between chunks of a stream.
-    read_s: Seconds = 900.0
+    # Time to the response headers: long, since prefill of a 100k-token prompt takes time.
+    ttfb_s: Seconds = 900.0
+    # The longest silence between chunks of a response once it started.
+    idle_s: Seconds = 300.0
+    # A deadline for the whole exchange; off by default (generations run for minutes).
+    total_s: Seconds | None = None
     # Deadline for the client to deliver a whole request body (slow-body defence).
     body_read_s: Seconds = 60.0
     # Idle keep-alive toward clients; also the only bound on slow request headers.
@@ -131,8 +198,13 @@ class TimeoutsConfig(_Model):
 class LimitsConfig(_Model):
     # 100k-token input_ids lists are ~0.6 MB; multimodal payloads are larger.
     max_body_bytes: Annotated[int, Field(ge=1024, le=1 << 34)] = 64 << 20
-    max_connections_per_backend: Annotated[int, Field(ge=1, le=100_000)] = 4096
     max_header_bytes: Annotated[int, Field(ge=1024, le=1 << 20)] = 16 << 10
+
+
+class ReloadConfig(_Model):
+    # Poll the config file's modification time this often and reload on change (SIGHUP
+    # always reloads). None: no polling.
+    watch_interval_s: Seconds | None = None
 
 
 class SamplingMaskConfig(_Model):
@@ -183,6 +255,7 @@ class GatewayConfig(_Model):
     routes: RoutesConfig = RoutesConfig()
     forwarding: ForwardingConfig = ForwardingConfig()
     logging: LoggingConfig = LoggingConfig()
+    reload: ReloadConfig = ReloadConfig()
 
 
 def _loc(loc: tuple[int | str, ...]) -> str:

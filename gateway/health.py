@@ -1,7 +1,8 @@
 """Active health probes: one owned task per backend, at most one probe in flight each.
 
 SGLang's /health runs a one-token generation, so under load a probe can take seconds;
-a backend is never probed again while its previous probe is still running.
+a backend is never probed again while its previous probe is still running. Tasks follow
+membership: new backends get a prober, removed ones lose theirs.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Sequence
 
 import aiohttp
 
@@ -24,30 +26,35 @@ class HealthChecker:
     ) -> None:
         self._pool = pool
         self._session = session
-        self._cfg = cfg
-        self._tasks: list[asyncio.Task[None]] = []
+        self.cfg = cfg
+        self._tasks: dict[Backend, asyncio.Task[None]] = {}
 
-    def start(self) -> None:
-        if not self._cfg.enabled:
-            return
-        for backend in self._pool.backends:
-            self._tasks.append(
-                asyncio.create_task(self._loop(backend), name=f"health:{backend.url}")
-            )
+    def sync(self, backends: Sequence[Backend]) -> None:
+        """Start probers for new members and stop those of removed ones."""
+        wanted = set(backends) if self.cfg.enabled else set()
+        for backend in list(self._tasks):
+            if backend not in wanted:
+                self._tasks.pop(backend).cancel()
+        for backend in backends:
+            if backend in wanted and backend not in self._tasks:
+                self._tasks[backend] = asyncio.create_task(
+                    self._loop(backend), name=f"health:{backend.url}"
+                )
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._tasks.clear()
 
     async def probe_once(self, backend: Backend) -> bool:
-        timeout = aiohttp.ClientTimeout(total=self._cfg.timeout_s)
+        timeout = aiohttp.ClientTimeout(total=self.cfg.timeout_s)
         try:
             async with self._session.get(
-                backend.url + self._cfg.path, timeout=timeout, allow_redirects=False
+                backend.url + self.cfg.path, timeout=timeout, allow_redirects=False
             ) as resp:
                 await resp.read()
                 ok = resp.status == 200
@@ -70,4 +77,4 @@ class HealthChecker:
                 raise
             except Exception:  # a prober must outlive any one bad probe
                 log.exception("health probe of %s crashed", backend.url)
-            await asyncio.sleep(self._cfg.interval_s)
+            await asyncio.sleep(self.cfg.interval_s)

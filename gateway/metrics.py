@@ -8,10 +8,13 @@ instance, not global, so tests and several gateways in one process do not collid
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 from gateway.backends import BackendPool, Health
 from gateway.observe import Exchange
@@ -141,7 +144,63 @@ class Metrics:
         self.bytes_out.observe(ex.bytes_out)
 
     def render(self) -> tuple[bytes, str]:
+        # Rebuilt from the current membership, so removed backends leave no stale series.
+        self._health.clear()
+        self._backend_inflight.clear()
         for b in self._pool.backends:
             self._health.labels(b.url).set(0.0 if b.health is Health.UNHEALTHY else 1.0)
             self._backend_inflight.labels(b.url).set(float(b.inflight))
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _DiscoveryStats(Protocol):
+    name: str
+    updates: int
+    errors: int
+
+
+class _FleetView(Protocol):
+    @property
+    def discovery(self) -> _DiscoveryStats | None: ...
+
+
+class _GatewayView(Protocol):
+    reloads: int
+    reload_failures: int
+    draining: bool
+
+    @property
+    def fleet(self) -> _FleetView: ...
+
+
+class FleetCollector(Collector):
+    """Counters owned by other objects (discovery, reload), read at scrape time."""
+
+    def __init__(self, gateway: _GatewayView) -> None:
+        self._gw = gateway
+
+    def collect(self) -> Iterator[Metric]:
+        p = "sglang_gateway_"
+        d = self._gw.fleet.discovery
+        updates = CounterMetricFamily(
+            p + "discovery_updates", "Membership snapshots published.", labels=["discovery"]
+        )
+        errors = CounterMetricFamily(
+            p + "discovery_errors",
+            "Failed or empty discovery answers (the last good set was kept).",
+            labels=["discovery"],
+        )
+        if d is not None:
+            updates.add_metric([d.name], d.updates)
+            errors.add_metric([d.name], d.errors)
+        yield updates
+        yield errors
+        reloads = CounterMetricFamily(
+            p + "config_reloads", "Config reloads by result.", labels=["result"]
+        )
+        reloads.add_metric(["ok"], self._gw.reloads)
+        reloads.add_metric(["refused"], self._gw.reload_failures)
+        yield reloads
+        yield GaugeMetricFamily(
+            p + "draining", "1 while shutting down.", value=1.0 if self._gw.draining else 0.0
+        )

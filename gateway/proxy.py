@@ -11,7 +11,9 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Final
 
 import aiohttp
@@ -37,28 +39,63 @@ class _TooLarge(Exception):
     pass
 
 
+@dataclass(frozen=True, slots=True)
+class ProxySettings:
+    """Everything the request path reads from config, swapped whole on reload.
+
+    A request captures the settings once at its start, so a reload never changes the
+    rules in the middle of one.
+    """
+
+    routes: RouteTable
+    policy: MaskPolicy
+    forwarding: ForwardingPolicy
+    max_body: int
+    body_timeout: float
+    attempts: int
+    queue_timeout: float
+    hash_header: str | None
+    timeout: aiohttp.ClientTimeout  # sock_read is the time-to-first-byte bound
+    idle_s: float
+
+    @classmethod
+    def from_config(cls, cfg: GatewayConfig) -> ProxySettings:
+        mask = cfg.policy.sampling_mask
+        t = cfg.timeouts
+        b = cfg.backends
+        return cls(
+            routes=RouteTable(
+                vertex_path=cfg.routes.vertex_path, extra_passthrough=cfg.routes.passthrough
+            ),
+            policy=MaskPolicy(enforce=mask.mode == "enforce", default_top_k=mask.default_top_k),
+            forwarding=ForwardingPolicy(cfg.forwarding.trusted_proxies),
+            max_body=cfg.limits.max_body_bytes,
+            body_timeout=t.body_read_s,
+            attempts=b.connect_attempts,
+            queue_timeout=b.queue_timeout_s,
+            hash_header=b.hash_header if b.balancer == "consistent_hash" else None,
+            timeout=aiohttp.ClientTimeout(
+                total=t.total_s, connect=t.connect_s, sock_connect=t.connect_s, sock_read=t.ttfb_s
+            ),
+            idle_s=t.idle_s,
+        )
+
+
 class Proxy:
     """The gateway's request handler (an aiohttp low-level `web.Server` handler)."""
 
     def __init__(
         self,
-        cfg: GatewayConfig,
+        settings: ProxySettings,
         session: aiohttp.ClientSession,
         pool: BackendPool,
         observers: Sequence[Observer] = (),
     ) -> None:
+        self.settings = settings
         self._session = session
         self._pool = pool
         self._observers = tuple(observers)
-        self._routes = RouteTable(
-            vertex_path=cfg.routes.vertex_path, extra_passthrough=cfg.routes.passthrough
-        )
-        mask = cfg.policy.sampling_mask
-        self._policy = MaskPolicy(enforce=mask.mode == "enforce", default_top_k=mask.default_top_k)
-        self._forwarding = ForwardingPolicy(cfg.forwarding.trusted_proxies)
-        self._max_body = cfg.limits.max_body_bytes
-        self._body_timeout = cfg.timeouts.body_read_s
-        self._attempts = cfg.backends.connect_attempts
+        self._slot_waiters: deque[asyncio.Future[None]] = deque()
         self.inflight = 0
 
     # -- entry point ---------------------------------------------------------------
@@ -68,13 +105,14 @@ class Proxy:
         if not valid_request_id(rid):
             rid = uuid.uuid4().hex
         assert rid is not None
+        settings = self.settings
         raw_path = request.raw_path
         path, _, _ = raw_path.partition("?")
-        route = self._routes.match(path)
+        route = settings.routes.match(path)
         ex = Exchange(rid, request.method, route.path if route else "unmatched")
         self.inflight += 1
         try:
-            return await self._handle(request, route, raw_path, ex)
+            return await self._handle(request, settings, route, raw_path, ex)
         except asyncio.CancelledError:
             # The client went away (handler cancellation); the upstream request, if any,
             # was closed on the way out so SGLang aborts the generation.
@@ -88,7 +126,12 @@ class Proxy:
                 obs.finish(ex)
 
     async def _handle(
-        self, request: web.BaseRequest, route: Route | None, raw_path: str, ex: Exchange
+        self,
+        request: web.BaseRequest,
+        s: ProxySettings,
+        route: Route | None,
+        raw_path: str,
+        ex: Exchange,
     ) -> web.StreamResponse:
         if route is None:
             return self._reply(ex, 404, errors.NOT_FOUND, "not_found")
@@ -106,13 +149,13 @@ class Proxy:
             return self._reject(ex, route.family, rejection, close=request.body_exists)
 
         try:
-            body = await self._read_body(request, ex)
+            body = await self._read_body(request, s, ex)
         except _TooLarge:
             rejection = Rejection(
                 413,
                 "request_body",
                 "too_large",
-                f"Request body exceeds the gateway's limit of {self._max_body} bytes.",
+                f"Request body exceeds the gateway's limit of {s.max_body} bytes.",
             )
             return self._reject(ex, route.family, rejection, close=True)
         except TimeoutError:
@@ -122,9 +165,9 @@ class Proxy:
             return self._reject(ex, route.family, rejection, close=True)
 
         if route.inspected:
-            rejection = inspect_body(route.kind, body, self._policy)
+            rejection = inspect_body(route.kind, body, s.policy)
             if rejection is not None:
-                if rejection.policy == "sampling_mask" and not self._policy.enforce:
+                if rejection.policy == "sampling_mask" and not s.policy.enforce:
                     # log_only: count and log what enforce would refuse, then forward.
                     log.warning(
                         "request %s would be rejected (%s): forwarded in log_only mode",
@@ -135,22 +178,22 @@ class Proxy:
                 else:
                     return self._reject(ex, route.family, rejection)
 
-        return await self._forward(request, route, raw_path, body, ex)
+        return await self._forward(request, s=s, route=route, raw_path=raw_path, body=body, ex=ex)
 
     # -- request body ----------------------------------------------------------------
 
-    async def _read_body(self, request: web.BaseRequest, ex: Exchange) -> bytes:
+    async def _read_body(self, request: web.BaseRequest, s: ProxySettings, ex: Exchange) -> bytes:
         if not request.body_exists:
             return b""
         length = request.content_length
-        if length is not None and length > self._max_body:
+        if length is not None and length > s.max_body:
             raise _TooLarge
         if request.headers.get("Expect", "").lower() == "100-continue":
             # Sent only once the declared size passed the cap, so an oversized upload is
             # refused before the client transmits it.
             await request.writer.write(_CONTINUE)
         content = request.content
-        async with asyncio.timeout(self._body_timeout):
+        async with asyncio.timeout(s.body_timeout):
             if length is not None:
                 body = await content.readexactly(length)
             else:
@@ -158,7 +201,7 @@ class Proxy:
                 size = 0
                 while chunk := await content.readany():
                     size += len(chunk)
-                    if size > self._max_body:
+                    if size > s.max_body:
                         raise _TooLarge
                     chunks.append(chunk)
                 body = b"".join(chunks)
@@ -189,32 +232,77 @@ class Proxy:
 
     def _unavailable(self, ex: Exchange, family: Family, outcome: str) -> web.Response:
         status = 503
-        body = errors.render(family, status, "No healthy backend is available; retry later.")
-        resp = self._reply(ex, status, body, outcome)
+        message = (
+            "All backends are at their concurrency limit; retry later."
+            if outcome == "no_capacity"
+            else "No healthy backend is available; retry later."
+        )
+        resp = self._reply(ex, status, errors.render(family, status, message), outcome)
         resp.headers["Retry-After"] = "1"
         return resp
 
     # -- forwarding ----------------------------------------------------------------------
 
+    async def _acquire(
+        self, s: ProxySettings, tried: list[Backend], key: str | None
+    ) -> Backend | None:
+        """A backend for the next attempt; if every routable one is at its concurrency cap,
+        wait up to queue_timeout for a slot rather than overload it or fail at once."""
+        pool = self._pool
+        backend = pool.pick(tried, key)
+        if backend is not None or not pool.saturated(tried) or s.queue_timeout <= 0:
+            return backend
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + s.queue_timeout
+        while (remaining := deadline - loop.time()) > 0:
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._slot_waiters.append(waiter)
+            try:
+                async with asyncio.timeout(remaining):
+                    await waiter
+            except TimeoutError:
+                return None
+            finally:
+                if not waiter.done():
+                    waiter.cancel()
+            backend = pool.pick(tried, key)
+            if backend is not None or not pool.saturated(tried):
+                return backend
+        return None
+
+    def _release(self, backend: Backend) -> None:
+        backend.inflight -= 1
+        waiters = self._slot_waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                break
+
     async def _forward(
         self,
         request: web.BaseRequest,
+        *,
+        s: ProxySettings,
         route: Route,
         raw_path: str,
         body: bytes,
         ex: Exchange,
     ) -> web.StreamResponse:
-        headers = self._forwarding.upstream(
+        headers = s.forwarding.upstream(
             request.headers.items(),
             peer=request.remote,
             scheme=request.scheme,
             request_id=ex.request_id,
         )
         data = body if request.body_exists else None
+        key = request.headers.get(s.hash_header) if s.hash_header else None
         tried: list[Backend] = []
-        while len(tried) < self._attempts:
-            backend = self._pool.pick(exclude=tried)
+        saturated = False
+        while len(tried) < s.attempts:
+            backend = await self._acquire(s, tried, key)
             if backend is None:
+                saturated = self._pool.saturated(tried)
                 break
             tried.append(backend)
             ex.attempts = len(tried)
@@ -228,6 +316,7 @@ class Proxy:
                         data=data,
                         headers=headers,
                         allow_redirects=False,
+                        timeout=s.timeout,
                     )
                 except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                     # Nothing reached the backend: safe to try another one.
@@ -242,11 +331,16 @@ class Proxy:
                     # generation that may have started.
                     ex.detail = type(exc).__name__
                     return self._upstream_failed(ex, route.family, 502, "upstream_error")
-                self._pool.request_ok(backend)
+                self._pool.response(backend, upstream.status)
+                conn = upstream.connection
+                if conn is not None and conn.protocol is not None:
+                    # Headers are in: from now on bound the silence between chunks, not the
+                    # (much longer) wait for the first byte.
+                    conn.protocol.read_timeout = s.idle_s
                 return await self._relay(request, upstream, ex)
             finally:
-                backend.inflight -= 1
-        return self._unavailable(ex, route.family, "no_backend")
+                self._release(backend)
+        return self._unavailable(ex, route.family, "no_capacity" if saturated else "no_backend")
 
     def _upstream_failed(
         self, ex: Exchange, family: Family, status: int, outcome: str

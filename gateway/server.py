@@ -1,31 +1,43 @@
-"""One gateway instance: its listeners, its upstream session, its background tasks.
+"""One gateway instance: its listeners, its upstream session, its fleet, its lifecycle.
 
-Start-up, serving and shutdown are separate steps so tests can run a real gateway on
-ephemeral ports in-process, and the CLI can drain on SIGTERM: readiness fails at once,
-the listeners stop accepting, in-flight requests and streams get a grace period.
+Start-up, serving, reload and shutdown are separate steps so tests can run a real gateway
+on ephemeral ports in-process, and the CLI can reload on SIGHUP and drain on SIGTERM:
+readiness fails at once, the listeners stop accepting, in-flight requests and streams get
+a grace period.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
+from pathlib import Path
 from typing import Final
 
 import aiohttp
 from aiohttp import web
 
+from gateway import config as config_mod
 from gateway.admin import make_admin_app
-from gateway.backends import BALANCERS, BackendPool
-from gateway.config import GatewayConfig
-from gateway.health import HealthChecker
-from gateway.metrics import Metrics
+from gateway.backends import BackendPool
+from gateway.config import ConfigError, GatewayConfig
+from gateway.discovery import Resolver
+from gateway.fleet import Fleet
+from gateway.metrics import FleetCollector, Metrics
 from gateway.observe import AccessLog, Observer
-from gateway.proxy import Proxy
+from gateway.proxy import Proxy, ProxySettings
 
 log = logging.getLogger("gateway.server")
 
 _UPSTREAM_READ_BUFSIZE: Final = 1 << 18  # fewer, larger reads for multi-MB responses
+# Settings that need new sockets or a new connection pool: a reload cannot change them.
+_RESTART_ONLY: Final = (
+    "listen",
+    "admin",
+    "limits.max_header_bytes",
+    "timeouts.upstream_keepalive_s",
+)
 
 
 def _bound_port(runner: web.BaseRunner) -> int:
@@ -39,8 +51,9 @@ def make_session(cfg: GatewayConfig) -> aiohttp.ClientSession:
     """The one pooled upstream client of a gateway instance."""
     t = cfg.timeouts
     connector = aiohttp.TCPConnector(
-        limit=0,  # the per-backend cap is the meaningful one
-        limit_per_host=cfg.limits.max_connections_per_backend,
+        # The per-backend in-flight cap (one connection per request) is the real bound.
+        limit=0,
+        limit_per_host=0,
         # Shorter than uvicorn's 5 s idle timeout, so the gateway never sends a request on a
         # pooled connection the backend is closing (the keep-alive race).
         keepalive_timeout=t.upstream_keepalive_s,
@@ -48,12 +61,8 @@ def make_session(cfg: GatewayConfig) -> aiohttp.ClientSession:
     )
     return aiohttp.ClientSession(
         connector=connector,
-        timeout=aiohttp.ClientTimeout(
-            total=None,  # generations run for minutes; only silence is bounded
-            connect=t.connect_s,
-            sock_connect=t.connect_s,
-            sock_read=t.read_s,
-        ),
+        # Per-request timeouts come from ProxySettings; this default only covers probes.
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s, sock_read=t.ttfb_s),
         # Forward exactly what the client sent: no added Accept, Accept-Encoding,
         # User-Agent or Content-Type, and no inflating of compressed responses.
         skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
@@ -65,42 +74,63 @@ def make_session(cfg: GatewayConfig) -> aiohttp.ClientSession:
     )
 
 
+def _get(cfg: GatewayConfig, dotted: str) -> object:
+    node: object = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
 class Gateway:
-    def __init__(self, cfg: GatewayConfig) -> None:
+    def __init__(
+        self,
+        cfg: GatewayConfig,
+        *,
+        config_path: str | None = None,
+        overrides: dict[str, object] | None = None,
+        resolver: Resolver | None = None,
+    ) -> None:
         self.cfg = cfg
+        self.config_path = config_path
+        self._overrides = dict(overrides or {})
         self.draining = False
         self.port = 0
         self.admin_port = 0
+        self.reloads = 0
+        self.reload_failures = 0
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.ServerRunner | None = None
         self._admin_runner: web.AppRunner | None = None
-        self._health: HealthChecker | None = None
-        self.pool = BackendPool(
-            cfg.backends.static,
-            BALANCERS[cfg.backends.balancer](),
-            healthy_threshold=cfg.backends.health.healthy_threshold,
-            unhealthy_threshold=cfg.backends.health.unhealthy_threshold,
-        )
+        self._watch_task: asyncio.Task[None] | None = None
+        self.fleet = Fleet(cfg.backends, resolver=resolver)
         self.proxy: Proxy | None = None
         self.metrics: Metrics | None = None
+        self._reload_lock = asyncio.Lock()
+
+    @property
+    def pool(self) -> BackendPool:
+        return self.fleet.pool
 
     def readiness(self) -> tuple[bool, str]:
         if self.draining:
             return False, "draining"
-        if not self.pool.ready:
+        if not self.fleet.pool.ready:
             return False, "no healthy backend"
         return True, "ok"
 
     async def start(self, *, reuse_port: bool = False) -> None:
         cfg = self.cfg
         self._session = make_session(cfg)
-        proxy_ref: list[Proxy] = []
-        self.metrics = Metrics(self.pool, lambda: proxy_ref[0].inflight if proxy_ref else 0)
+        self.metrics = Metrics(
+            self.fleet.pool, lambda: self.proxy.inflight if self.proxy is not None else 0
+        )
+        self.metrics.registry.register(FleetCollector(self))
         observers: list[Observer] = [self.metrics]
         if cfg.logging.access_log:
             observers.append(AccessLog(cfg.logging.format))
-        self.proxy = Proxy(cfg, self._session, self.pool, observers)
-        proxy_ref.append(self.proxy)
+        self.proxy = Proxy(
+            ProxySettings.from_config(cfg), self._session, self.fleet.pool, observers
+        )
 
         server = web.Server(
             self.proxy.handle,
@@ -118,18 +148,16 @@ class Gateway:
             server, handle_signals=False, shutdown_timeout=cfg.timeouts.shutdown_grace_s
         )
         await self._runner.setup()
-        site = web.TCPSite(
+        await web.TCPSite(
             self._runner,
             cfg.listen.host,
             cfg.listen.port,
             reuse_port=reuse_port or None,
             backlog=1024,
-        )
-        await site.start()
+        ).start()
         self.port = _bound_port(self._runner)
 
-        metrics = self.metrics
-        admin = make_admin_app(ready=self.readiness, metrics=metrics.render)
+        admin = make_admin_app(ready=self.readiness, metrics=self.metrics.render)
         self._admin_runner = web.AppRunner(admin, handle_signals=False, access_log=None)
         await self._admin_runner.setup()
         await web.TCPSite(
@@ -137,25 +165,76 @@ class Gateway:
         ).start()
         self.admin_port = _bound_port(self._admin_runner)
 
-        self._health = HealthChecker(self.pool, self._session, cfg.backends.health)
-        self._health.start()
+        self.fleet.start(self._session)
+        if cfg.reload.watch_interval_s is not None and self.config_path is not None:
+            self._watch_task = asyncio.create_task(
+                self._watch(cfg.reload.watch_interval_s), name="config-watch"
+            )
         log.info(
-            "gateway listening on %s:%d (admin %s:%d), backends: %s",
+            "gateway listening on %s:%d (admin %s:%d), discovery %s",
             cfg.listen.host,
             self.port,
             cfg.admin.host,
             self.admin_port,
-            ", ".join(b.url for b in self.pool.backends),
+            cfg.backends.discovery,
         )
+
+    async def reload(self, cfg: GatewayConfig | None = None) -> bool:
+        """Re-read the config file (or take `cfg`) and apply it without dropping requests.
+
+        An invalid config is refused and the running one stays.
+        """
+        async with self._reload_lock:
+            if cfg is None:
+                if self.config_path is None:
+                    log.warning("reload requested, but the gateway was started without --config")
+                    return False
+                try:
+                    cfg = config_mod.load(self.config_path, self._overrides)
+                except ConfigError as exc:
+                    self.reload_failures += 1
+                    log.error("reload refused, keeping the running config:\n%s", exc)
+                    return False
+            for key in _RESTART_ONLY:
+                if _get(cfg, key) != _get(self.cfg, key):
+                    log.warning("reload: %s changed; it takes effect only after a restart", key)
+            assert self.proxy is not None
+            self.proxy.settings = ProxySettings.from_config(cfg)
+            await self.fleet.reconfigure(cfg.backends)
+            self.cfg = cfg
+            self.reloads += 1
+            log.info("config reloaded")
+            return True
+
+    async def _watch(self, interval: float) -> None:
+        assert self.config_path is not None
+        path = Path(self.config_path)
+
+        def mtime() -> float | None:
+            try:
+                return path.stat().st_mtime
+            except OSError:
+                return None
+
+        last = mtime()
+        while True:
+            await asyncio.sleep(interval)
+            now = mtime()
+            if now is not None and now != last:
+                last = now
+                await self.reload()
 
     async def stop(self) -> None:
         """Drain: readiness off, stop accepting, let in-flight requests finish, close."""
         self.draining = True
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch_task
         if self._runner is not None:
             await self._runner.cleanup()  # waits up to shutdown_grace_s for handlers
             self._runner = None
-        if self._health is not None:
-            await self._health.stop()
+        await self.fleet.stop()
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
             self._admin_runner = None
@@ -164,17 +243,30 @@ class Gateway:
             self._session = None
 
 
-async def serve(cfg: GatewayConfig) -> None:
-    """Run until SIGTERM or SIGINT, then drain and return."""
-    gateway = Gateway(cfg)
+async def serve(
+    cfg: GatewayConfig,
+    *,
+    config_path: str | None = None,
+    overrides: dict[str, object] | None = None,
+) -> None:
+    """Run until SIGTERM or SIGINT (reloading on SIGHUP), then drain and return."""
+    gateway = Gateway(cfg, config_path=config_path, overrides=overrides)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    reloads: set[asyncio.Task[bool]] = set()
+
+    def on_hup() -> None:
+        task = asyncio.create_task(gateway.reload(), name="reload")
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
     await gateway.start()
     try:
         await stop.wait()
-        log.info("shutting down: draining for up to %.0fs", cfg.timeouts.shutdown_grace_s)
+        log.info("shutting down: draining for up to %.0fs", gateway.cfg.timeouts.shutdown_grace_s)
         gateway.draining = True
     finally:
         await gateway.stop()

@@ -1,0 +1,139 @@
+"""The backend fleet of one gateway: discovery -> membership -> health, kept in step.
+
+Owns the discovery task and the prober tasks, and applies a new config on reload
+without losing backend state or dropping in-flight requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import aiohttp
+
+from gateway.backends import BackendPool, PassivePolicy
+from gateway.balancers import BALANCERS, Balancer
+from gateway.config import BackendsConfig
+from gateway.discovery import (
+    Discovery,
+    DnsDiscovery,
+    KubernetesApi,
+    KubernetesDiscovery,
+    Resolver,
+    StaticDiscovery,
+)
+from gateway.health import HealthChecker
+
+log = logging.getLogger("gateway.fleet")
+
+
+def make_balancer(cfg: BackendsConfig) -> Balancer:
+    return BALANCERS[cfg.balancer](cfg.seed)
+
+
+def _passive(cfg: BackendsConfig) -> PassivePolicy:
+    p = cfg.passive
+    return PassivePolicy(
+        consecutive_connect_failures=p.consecutive_connect_failures,
+        consecutive_5xx=p.consecutive_5xx,
+        base_eject_s=p.base_eject_s,
+        max_eject_s=p.max_eject_s,
+    )
+
+
+class Fleet:
+    def __init__(self, cfg: BackendsConfig, *, resolver: Resolver | None = None) -> None:
+        self.cfg = cfg
+        self._resolver = resolver
+        initial = cfg.static if cfg.discovery == "static" else ()
+        self.pool = BackendPool(
+            initial,
+            make_balancer(cfg),
+            healthy_threshold=cfg.health.healthy_threshold,
+            unhealthy_threshold=cfg.health.unhealthy_threshold,
+            passive=_passive(cfg),
+            max_inflight=cfg.max_inflight_per_backend,
+            probes=cfg.health.enabled,
+        )
+        self.discovery: Discovery | None = None
+        self._discovery_task: asyncio.Task[None] | None = None
+        self._health: HealthChecker | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    def _make_discovery(self, cfg: BackendsConfig, session: aiohttp.ClientSession) -> Discovery:
+        if cfg.discovery == "dns":
+            assert cfg.dns is not None
+            return DnsDiscovery(
+                cfg.dns.name,
+                cfg.dns.port,
+                scheme=cfg.dns.scheme,
+                interval_s=cfg.dns.interval_s,
+                resolver=self._resolver,
+            )
+        if cfg.discovery == "kubernetes":
+            k = cfg.kubernetes
+            assert k is not None
+            api = KubernetesApi(
+                session,
+                api_server=k.api_server,
+                namespace=k.namespace,
+                label_selector=k.selector,
+                token_file=k.token_file,
+                ca_file=k.ca_file,
+            )
+            return KubernetesDiscovery(
+                api, scheme=k.scheme, port=k.port, port_name=k.port_name, resync_s=k.resync_s
+            )
+        return StaticDiscovery(cfg.static)
+
+    def _publish(self, urls: tuple[str, ...]) -> None:
+        self.pool.update(urls)
+        if self._health is not None:
+            self._health.sync(self.pool.backends)
+
+    def start(self, session: aiohttp.ClientSession) -> None:
+        self._session = session
+        self._health = HealthChecker(self.pool, session, self.cfg.health)
+        self._start_discovery(self.cfg, session)
+        self._health.sync(self.pool.backends)
+
+    def _start_discovery(self, cfg: BackendsConfig, session: aiohttp.ClientSession) -> None:
+        self.discovery = self._make_discovery(cfg, session)
+        self._discovery_task = asyncio.create_task(
+            self.discovery.run(self._publish), name=f"discovery:{self.discovery.name}"
+        )
+
+    async def _stop_discovery(self) -> None:
+        task, self._discovery_task = self._discovery_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def reconfigure(self, cfg: BackendsConfig) -> None:
+        """Apply a reloaded config: policies swap now, backend state is kept."""
+        assert self._session is not None and self._health is not None
+        old = self.cfg
+        self.cfg = cfg
+        self.pool.reconfigure(
+            make_balancer(cfg),
+            healthy_threshold=cfg.health.healthy_threshold,
+            unhealthy_threshold=cfg.health.unhealthy_threshold,
+            passive=_passive(cfg),
+            max_inflight=cfg.max_inflight_per_backend,
+            probes=cfg.health.enabled,
+        )
+        if cfg.health != old.health:
+            await self._health.stop()
+            self._health = HealthChecker(self.pool, self._session, cfg.health)
+        discovery_keys = ("discovery", "static", "dns", "kubernetes")
+        if any(getattr(cfg, k) != getattr(old, k) for k in discovery_keys):
+            await self._stop_discovery()
+            self._start_discovery(cfg, self._session)
+        self._health.sync(self.pool.backends)
+
+    async def stop(self) -> None:
+        await self._stop_discovery()
+        if self._health is not None:
+            await self._health.stop()
