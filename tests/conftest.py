@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 
 from gateway import config as config_mod
+from gateway.discovery import Resolver
 from gateway.server import Gateway
 from gateway.stub import StubBackend
 
@@ -39,7 +40,7 @@ async def make_gateway() -> AsyncIterator[GatewayFactory]:
     """Start gateways in front of given backend URLs; all are stopped at teardown."""
     started: list[Gateway] = []
 
-    async def factory(*urls: str, **overrides: Any) -> Gateway:
+    async def factory(*urls: str, resolver: Resolver | None = None, **overrides: Any) -> Gateway:
         data = merge(
             {
                 "listen": {"host": "127.0.0.1", "port": 0},
@@ -50,7 +51,7 @@ async def make_gateway() -> AsyncIterator[GatewayFactory]:
             },
             overrides,
         )
-        gw = Gateway(config_mod.build(data))
+        gw = Gateway(config_mod.build(data), resolver=resolver)
         await gw.start()
         started.append(gw)
         return gw

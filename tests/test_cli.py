@@ -178,3 +178,62 @@ async def test_stub_runs_as_a_module() -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), timeout=10) == 0
+
+
+async def test_sighup_reloads_the_config_file(stub: StubBackend, tmp_path: Path) -> None:
+    path = tmp_path / "gw.yaml"
+    base = (
+        "listen: {host: 127.0.0.1, port: 0}\nadmin: {host: 127.0.0.1, port: 0}\n"
+        f"backends: {{static: ['{stub.url}']}}\n"
+    )
+    path.write_text(base + "policy: {sampling_mask: {mode: enforce}}\n")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "gateway",
+        "--config",
+        str(path),
+        cwd=ROOT,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert proc.stderr is not None
+    unbounded = orjson.dumps({"text": "x", "return_sampling_mask": True})
+
+    async def wait_line(pattern: str) -> re.Match[str]:
+        assert proc.stderr is not None
+        async with asyncio.timeout(20):
+            while True:
+                line = (await proc.stderr.readline()).decode()
+                assert line, "gateway exited"
+                if m := re.search(pattern, line):
+                    return m
+
+    try:
+        port = int((await wait_line(r"listening on 127\.0\.0\.1:(\d+)")).group(1))
+        url = f"http://127.0.0.1:{port}/generate"
+        async with aiohttp.ClientSession() as s:
+            async with s.post(
+                url, data=unbounded, headers={"Content-Type": "application/json"}
+            ) as r:
+                assert r.status == 400
+            assert stub.generation_requests() == []
+            path.write_text(base + "policy: {sampling_mask: {mode: log_only}}\n")
+            proc.send_signal(signal.SIGHUP)
+            await wait_line("config reloaded")
+            async with s.post(
+                url, data=unbounded, headers={"Content-Type": "application/json"}
+            ) as r:
+                await r.read()
+            assert [r.body for r in stub.generation_requests()] == [unbounded]
+            path.write_text("listen: {prot: 1}\n")
+            proc.send_signal(signal.SIGHUP)
+            await wait_line("reload refused")
+            async with s.post(
+                url, data=unbounded, headers={"Content-Type": "application/json"}
+            ) as r:
+                await r.read()
+            assert len(stub.generation_requests()) == 2  # still log_only
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), timeout=10) == 0
