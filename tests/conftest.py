@@ -12,7 +12,7 @@ import pytest
 from gateway import config as config_mod
 from gateway.discovery import Resolver
 from gateway.server import Gateway
-from gateway.stub import StubBackend
+from gateway.stub import Received, StubBackend
 
 GatewayFactory = Callable[..., Awaitable[Gateway]]
 
@@ -70,6 +70,12 @@ async def gateway(stub: StubBackend, make_gateway: GatewayFactory) -> Gateway:
 async def session() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as s:
         yield s
+
+
+def last_proxied(stub: StubBackend) -> Received:
+    """The last request the gateway forwarded to `stub` (health probes excluded: the
+    gateway's own probes carry no X-Forwarded-For)."""
+    return next(r for r in reversed(stub.received) if "X-Forwarded-For" in r.headers)
 
 
 def gw_url(gw: Gateway, path: str = "") -> str:
