@@ -20,6 +20,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SecretStr,
     ValidationError,
     model_validator,
 )
@@ -239,6 +240,34 @@ class ForwardingConfig(_Model):
     trusted_proxies: list[Cidr] = Field(default_factory=list)
 
 
+class AuthConfig(_Model):
+    """Optional bearer API keys for clients (an ingress), and credentials for backends."""
+
+    enabled: bool = False
+    # Keys inline (prefer keys_file: it can be rotated by editing it and sending SIGHUP).
+    keys: list[SecretStr] = Field(default_factory=list)
+    keys_file: str | None = None  # one key per line, # comments allowed
+    # Paths served without a key, e.g. [/health] for a load balancer's probes.
+    exempt_paths: list[RoutePath] = Field(default_factory=list)
+    # Sent upstream as the Authorization header (SGLang's --api-key), replacing whatever
+    # the client sent. Without it, a client's Authorization passes through unless client
+    # authentication is on, in which case the client's key is never forwarded.
+    upstream_authorization: SecretStr | None = None
+    upstream_authorization_file: str | None = None
+
+    @model_validator(mode="after")
+    def _usable(self) -> AuthConfig:
+        if self.enabled and not self.keys and self.keys_file is None:
+            raise ValueError("auth.enabled needs keys or keys_file")
+        for name in ("keys_file", "upstream_authorization_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name} {path!r} is not a readable file")
+        if self.upstream_authorization and self.upstream_authorization_file:
+            raise ValueError("set upstream_authorization or upstream_authorization_file, not both")
+        return self
+
+
 class LoggingConfig(_Model):
     level: Literal["debug", "info", "warning", "error"] = "info"
     access_log: bool = True
@@ -254,6 +283,7 @@ class GatewayConfig(_Model):
     policy: PolicyConfig = PolicyConfig()
     routes: RoutesConfig = RoutesConfig()
     forwarding: ForwardingConfig = ForwardingConfig()
+    auth: AuthConfig = AuthConfig()
     logging: LoggingConfig = LoggingConfig()
     reload: ReloadConfig = ReloadConfig()
 

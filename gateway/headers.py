@@ -61,12 +61,22 @@ def valid_request_id(value: str | None) -> bool:
 class ForwardingPolicy:
     """Builds upstream request headers and downstream response headers."""
 
-    __slots__ = ("_trusted",)
+    __slots__ = ("_authorization", "_drop", "_trusted")
 
-    def __init__(self, trusted_proxies: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        trusted_proxies: Iterable[str] = (),
+        *,
+        upstream_authorization: str | None = None,
+        strip_client_authorization: bool = False,
+    ) -> None:
         self._trusted: tuple[Network, ...] = tuple(
             ipaddress.ip_network(cidr, strict=False) for cidr in trusted_proxies
         )
+        self._authorization = upstream_authorization
+        replace = upstream_authorization is not None or strip_client_authorization
+        # The client's key for the gateway is not a credential for the backend.
+        self._drop = _REQUEST_DROP | {"authorization"} if replace else _REQUEST_DROP
 
     def _is_trusted(self, peer: str | None) -> bool:
         if not self._trusted or peer is None:
@@ -87,8 +97,10 @@ class ForwardingPolicy:
     ) -> list[tuple[str, str]]:
         """Request headers to send upstream: end-to-end ones kept in order, ours added."""
         items = list(headers.items()) if isinstance(headers, Mapping) else list(headers)
-        drop = _REQUEST_DROP | _connection_tokens(items)
+        drop = self._drop | _connection_tokens(items)
         out = [(k, v) for k, v in items if k.lower() not in drop]
+        if self._authorization is not None:
+            out.append(("Authorization", self._authorization))
         forwarded_for = peer or ""
         forwarded_proto = scheme
         if self._is_trusted(peer):

@@ -14,6 +14,7 @@ import uuid
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Final
 
 import aiohttp
@@ -21,13 +22,14 @@ from aiohttp import web
 from yarl import URL
 
 from gateway import errors
+from gateway.auth import ApiKeys, read_keys_file
 from gateway.backends import Backend, BackendPool
 from gateway.config import GatewayConfig
 from gateway.headers import REQUEST_ID, ForwardingPolicy, valid_request_id
 from gateway.inspection import check_headers, inspect_body
 from gateway.observe import Exchange, Observer
 from gateway.policy import MaskPolicy, Rejection
-from gateway.routes import Family, Route, RouteTable
+from gateway.routes import Family, Route, RouteTable, canonical_path
 
 log = logging.getLogger("gateway.proxy")
 
@@ -57,9 +59,22 @@ class ProxySettings:
     hash_header: str | None
     timeout: aiohttp.ClientTimeout  # sock_read is the time-to-first-byte bound
     idle_s: float
+    auth: ApiKeys | None  # None: no client authentication
+    auth_exempt: frozenset[str]
 
     @classmethod
     def from_config(cls, cfg: GatewayConfig) -> ProxySettings:
+        """Build the settings; reads the key files, so an unreadable one raises OSError."""
+        a = cfg.auth
+        keys = None
+        if a.enabled:
+            listed = [k.get_secret_value() for k in a.keys]
+            keys = ApiKeys(listed + (read_keys_file(a.keys_file) if a.keys_file else []))
+        upstream_auth = (
+            a.upstream_authorization.get_secret_value() if a.upstream_authorization else None
+        )
+        if a.upstream_authorization_file:
+            upstream_auth = Path(a.upstream_authorization_file).read_text(encoding="utf-8").strip()
         mask = cfg.policy.sampling_mask
         t = cfg.timeouts
         b = cfg.backends
@@ -68,7 +83,11 @@ class ProxySettings:
                 vertex_path=cfg.routes.vertex_path, extra_passthrough=cfg.routes.passthrough
             ),
             policy=MaskPolicy(enforce=mask.mode == "enforce", default_top_k=mask.default_top_k),
-            forwarding=ForwardingPolicy(cfg.forwarding.trusted_proxies),
+            forwarding=ForwardingPolicy(
+                cfg.forwarding.trusted_proxies,
+                upstream_authorization=upstream_auth,
+                strip_client_authorization=a.enabled,
+            ),
             max_body=cfg.limits.max_body_bytes,
             body_timeout=t.body_read_s,
             attempts=b.connect_attempts,
@@ -78,6 +97,8 @@ class ProxySettings:
                 total=t.total_s, connect=t.connect_s, sock_connect=t.connect_s, sock_read=t.ttfb_s
             ),
             idle_s=t.idle_s,
+            auth=keys,
+            auth_exempt=frozenset(a.exempt_paths),
         )
 
 
@@ -133,6 +154,12 @@ class Proxy:
         raw_path: str,
         ex: Exchange,
     ) -> web.StreamResponse:
+        if s.auth is not None:
+            denied = self._authenticate(
+                request, keys=s.auth, exempt=s.auth_exempt, route=route, raw_path=raw_path, ex=ex
+            )
+            if denied is not None:
+                return denied
         if route is None:
             return self._reply(ex, 404, errors.NOT_FOUND, "not_found")
         if request.method not in route.methods:
@@ -179,6 +206,29 @@ class Proxy:
                     return self._reject(ex, route.family, rejection)
 
         return await self._forward(request, s=s, route=route, raw_path=raw_path, body=body, ex=ex)
+
+    def _authenticate(
+        self,
+        request: web.BaseRequest,
+        *,
+        keys: ApiKeys,
+        exempt: frozenset[str],
+        route: Route | None,
+        raw_path: str,
+        ex: Exchange,
+    ) -> web.Response | None:
+        # Checked before routing, so an unauthenticated client learns nothing about paths.
+        path = route.path if route is not None else canonical_path(raw_path.partition("?")[0])
+        if path in exempt:
+            return None
+        reason = keys.check(request.headers.get("Authorization"))
+        if reason is None:
+            return None
+        family = route.family if route is not None else Family.PLAIN
+        denied = Rejection(401, "auth", reason, "Missing or invalid API key.")
+        resp = self._reject(ex, family, denied, close=request.body_exists)
+        resp.headers["WWW-Authenticate"] = "Bearer"
+        return resp
 
     # -- request body ----------------------------------------------------------------
 

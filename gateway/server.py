@@ -199,7 +199,13 @@ class Gateway:
                 if _get(cfg, key) != _get(self.cfg, key):
                     log.warning("reload: %s changed; it takes effect only after a restart", key)
             assert self.proxy is not None
-            self.proxy.settings = ProxySettings.from_config(cfg)
+            try:
+                settings = ProxySettings.from_config(cfg)
+            except OSError as exc:
+                self.reload_failures += 1
+                log.error("reload refused, keeping the running config: %s", exc)
+                return False
+            self.proxy.settings = settings
             await self.fleet.reconfigure(cfg.backends)
             self.cfg = cfg
             self.reloads += 1
