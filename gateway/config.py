@@ -217,6 +217,10 @@ class SamplingMaskConfig(_Model):
 
 class PolicyConfig(_Model):
     sampling_mask: SamplingMaskConfig = SamplingMaskConfig()
+    # Forward a body that provably cannot hold the mask key (an exact byte scan) without
+    # parsing it. Faster for large token-id bodies; malformed or mistyped bodies are then
+    # refused by SGLang itself rather than by the gateway. Off: every body is parsed.
+    skip_parse_without_mask_key: bool = False
 
 
 class RoutesConfig(_Model):

@@ -81,8 +81,34 @@ def parse_object(body: bytes) -> dict[str, object] | Rejection:
     return obj
 
 
-def inspect_body(kind: Kind, body: bytes, policy: MaskPolicy) -> Rejection | None:
-    """Parse an inspected route's body once and apply the policy to it."""
+_MASK_KEY: Final = b"return_sampling_mask"
+# The only JSON escape that can spell a letter or "_": the key, escaped, must contain it.
+_UNICODE_ESCAPE: Final = b"\\u"
+
+
+def may_hold_mask_key(body: bytes) -> bool:
+    """False only when the body provably has no `return_sampling_mask` key.
+
+    JSON spells a key either literally or with escapes; the key is all lowercase letters and
+    underscores, which no escape but `\\uXXXX` can produce. So a body containing neither
+    the literal key nor any `\\u` cannot name it, in any spelling, at any depth. (A
+    `\\u` that is really an escaped backslash followed by `u` only costs a full parse.)
+    """
+    return _MASK_KEY in body or _UNICODE_ESCAPE in body
+
+
+def inspect_body(
+    kind: Kind, body: bytes, policy: MaskPolicy, *, skip_parse_without_key: bool = False
+) -> Rejection | None:
+    """Parse an inspected route's body once and apply the policy to it.
+
+    With `skip_parse_without_key`, a body that cannot hold the mask key is forwarded
+    unparsed: no mask can be requested by it, and SGLang (same parser) refuses it itself if
+    it is malformed. This trades the gateway's own 400 for malformed or mistyped bodies
+    (rules 1 and 5 of the contract) for not building a Python object tree of a large body.
+    """
+    if skip_parse_without_key and not may_hold_mask_key(body):
+        return None
     parsed = parse_object(body)
     if isinstance(parsed, Rejection):
         return parsed

@@ -59,6 +59,7 @@ class ProxySettings:
     hash_header: str | None
     timeout: aiohttp.ClientTimeout  # sock_read is the time-to-first-byte bound
     idle_s: float
+    skip_parse: bool  # forward bodies that cannot hold the mask key without parsing
     auth: ApiKeys | None  # None: no client authentication
     auth_exempt: frozenset[str]
 
@@ -97,6 +98,7 @@ class ProxySettings:
                 total=t.total_s, connect=t.connect_s, sock_connect=t.connect_s, sock_read=t.ttfb_s
             ),
             idle_s=t.idle_s,
+            skip_parse=cfg.policy.skip_parse_without_mask_key,
             auth=keys,
             auth_exempt=frozenset(a.exempt_paths),
         )
@@ -192,7 +194,9 @@ class Proxy:
             return self._reject(ex, route.family, rejection, close=True)
 
         if route.inspected:
-            rejection = inspect_body(route.kind, body, s.policy)
+            rejection = inspect_body(
+                route.kind, body, s.policy, skip_parse_without_key=s.skip_parse
+            )
             if rejection is not None:
                 if rejection.policy == "sampling_mask" and not s.policy.enforce:
                     # log_only: count and log what enforce would refuse, then forward.
