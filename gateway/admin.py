@@ -6,25 +6,38 @@ at least one backend seen healthy. /metrics: Prometheus text.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from aiohttp import web
 
+T = TypeVar("T")
+# Plain callables in a gateway; coroutines in the --workers supervisor, which asks workers.
+Source = Callable[[], T | Awaitable[T]]
+
+
+async def _call(source: Source[T]) -> T:
+    result = source()
+    if inspect.isawaitable(result):
+        return await result
+    return result
+
 
 def make_admin_app(
-    *, ready: Callable[[], tuple[bool, str]], metrics: Callable[[], tuple[bytes, str]]
+    *, ready: Source[tuple[bool, str]], metrics: Source[tuple[bytes, str]]
 ) -> web.Application:
     async def livez(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
     async def readyz(_: web.Request) -> web.Response:
-        ok, why = ready()
+        ok, why = await _call(ready)
         return web.json_response(
             {"status": "ready" if ok else "not_ready", "reason": why}, status=200 if ok else 503
         )
 
     async def metrics_handler(_: web.Request) -> web.Response:
-        body, content_type = metrics()
+        body, content_type = await _call(metrics)
         resp = web.Response(body=body)
         resp.headers["Content-Type"] = content_type
         return resp

@@ -47,9 +47,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--log-level", choices=["debug", "info", "warning", "error"], help="logging.level"
     )
+    p.add_argument("--workers", type=int, help="processes sharing the port (listen.workers)")
     p.add_argument(
         "--check-config", action="store_true", help="validate the config, print it and exit"
     )
+    # Set by the --workers supervisor on the processes it starts.
+    p.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
     return p
 
 
@@ -66,6 +69,13 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["admin.port"] = args.admin_port
     if args.log_level is not None:
         out["logging.level"] = args.log_level
+    if args.workers is not None:
+        out["listen.workers"] = args.workers
+    if args.worker_index is not None:
+        # A worker's own admin listener is private: the supervisor serves the real one.
+        out["listen.workers"] = 1
+        out["admin.host"] = "127.0.0.1"
+        out["admin.port"] = 0
     return out
 
 
@@ -138,8 +148,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(cfg.logging.level)
     from gateway.server import serve  # noqa: PLC0415 - keeps --check-config light
 
+    if cfg.listen.workers > 1:
+        from gateway.workers import Supervisor  # noqa: PLC0415
+
+        supervisor = Supervisor(cfg, cfg.listen.workers, [*argv, "--workers", "1"])
+        result: list[int] = []
+
+        async def supervise() -> None:
+            result.append(await supervisor.run())
+
+        run_loop(supervise())
+        return result[0] if result else 1
     try:
-        run_loop(serve(cfg, config_path=args.config, overrides=_overrides(args)))
+        run_loop(
+            serve(
+                cfg,
+                config_path=args.config,
+                overrides=_overrides(args),
+                worker=args.worker_index is not None,
+            )
+        )
     except OSError as exc:
         log.error("cannot start: %s", exc)
         return 1

@@ -82,6 +82,8 @@ Port = Annotated[int, Field(ge=0, le=65535)]
 class ListenConfig(_Model):
     host: str = "0.0.0.0"  # a proxy listens for other hosts by design
     port: Port = 8080
+    # Processes sharing the port (SO_REUSEPORT), each with its own event loop.
+    workers: Annotated[int, Field(ge=1, le=256)] = 1
 
 
 class AdminConfig(_Model):

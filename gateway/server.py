@@ -27,6 +27,7 @@ from gateway.fleet import Fleet
 from gateway.metrics import FleetCollector, Metrics
 from gateway.observe import AccessLog, Observer
 from gateway.proxy import Proxy, ProxySettings
+from gateway.workers import report_ready
 
 log = logging.getLogger("gateway.server")
 
@@ -254,8 +255,12 @@ async def serve(
     *,
     config_path: str | None = None,
     overrides: dict[str, object] | None = None,
+    worker: bool = False,
 ) -> None:
-    """Run until SIGTERM or SIGINT (reloading on SIGHUP), then drain and return."""
+    """Run until SIGTERM or SIGINT (reloading on SIGHUP), then drain and return.
+
+    As one of several --workers: share the port and report the private admin port.
+    """
     gateway = Gateway(cfg, config_path=config_path, overrides=overrides)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -269,7 +274,9 @@ async def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, on_hup)
-    await gateway.start()
+    await gateway.start(reuse_port=worker)
+    if worker:
+        report_ready(gateway.admin_port)
     try:
         await stop.wait()
         log.info("shutting down: draining for up to %.0fs", gateway.cfg.timeouts.shutdown_grace_s)

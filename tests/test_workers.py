@@ -1,0 +1,92 @@
+"""--workers N: processes sharing one port, one supervisor, merged metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+from gateway.stub import StubBackend
+from gateway.workers import merge_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_merge_labels_each_worker() -> None:
+    a = '# TYPE x_total counter\nx_total{route="/generate"} 3.0\n'
+    b = '# TYPE x_total counter\nx_total{route="/generate"} 4.0\n'
+    text = merge_metrics([(0, a), (1, b)]).decode()
+    assert 'x_total{route="/generate",worker="0"} 3.0' in text
+    assert 'x_total{route="/generate",worker="1"} 4.0' in text
+    assert text.count("# TYPE x_total counter") == 1
+
+
+async def test_two_workers_share_the_port(stub: StubBackend) -> None:
+    port, admin = free_port(), free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "gateway",
+        "--backend",
+        stub.url,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--admin-port",
+        str(admin),
+        "--workers",
+        "2",
+        cwd=ROOT,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    body = orjson.dumps({"text": "x", "sampling_params": {"top_k": 2}})
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with asyncio.timeout(30):
+                while True:
+                    try:
+                        async with s.get(f"http://127.0.0.1:{admin}/readyz") as r:
+                            if (
+                                r.status == 200
+                                and (await r.json())["reason"] == "2/2 workers ready"
+                            ):
+                                break
+                    except aiohttp.ClientError:
+                        pass
+                    await asyncio.sleep(0.1)
+            # Fresh connections each time, so the kernel spreads them over both workers.
+            for _ in range(40):
+                async with (
+                    aiohttp.ClientSession() as one,
+                    one.post(
+                        f"http://127.0.0.1:{port}/generate",
+                        data=body,
+                        headers={"Content-Type": "application/json"},
+                    ) as r,
+                ):
+                    assert r.status == 200
+            async with s.get(f"http://127.0.0.1:{admin}/metrics") as r:
+                text = await r.text()
+        per_worker = {}
+        for line in text.splitlines():
+            if line.startswith("sglang_gateway_requests_total{") and 'route="/generate"' in line:
+                worker = line.split('worker="')[1].split('"')[0]
+                per_worker[worker] = float(line.rsplit(" ", 1)[1])
+        assert sum(per_worker.values()) == 40
+        assert set(per_worker) == {"0", "1"}  # both workers took connections
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), timeout=20) == 0
