@@ -521,3 +521,36 @@ async def test_rejection_counted_in_metrics(
         'sglang_gateway_rejections_total{policy="sampling_mask",reason="unbounded_top_k"} 1.0'
         in text
     )
+
+
+async def test_response_hop_by_hop_headers_are_dropped(
+    make_gateway: GatewayFactory, session: aiohttp.ClientSession
+) -> None:
+    body = b'{"text": "ok"}'
+
+    async def raw_backend(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+            b"Connection: keep-alive, X-Hop\r\nKeep-Alive: timeout=5\r\nX-Hop: secret\r\n"
+            b"Proxy-Authenticate: Basic\r\nUpgrade: h2c\r\nTrailer: X-T\r\nX-End-To-End: kept\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(raw_backend, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        gw = await make_gateway(f"http://127.0.0.1:{port}", backends={"health": {"enabled": False}})
+        async with session.get(gw_url(gw, "/model_info")) as r:
+            assert r.status == 200
+            assert await r.read() == body
+            for name in ("X-Hop", "Keep-Alive", "Proxy-Authenticate", "Upgrade", "Trailer"):
+                assert name not in r.headers, name
+            assert r.headers["X-End-To-End"] == "kept"
+            assert r.headers["X-Request-Id"]
+    finally:
+        server.close()
+        await server.wait_closed()
