@@ -10,10 +10,13 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=".venv/.installed-${EXTRAS:-base}"
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  .venv/bin/python -m pip install -q --disable-pip-version-check -U pip
-  spec="."
-  [ -n "${EXTRAS:-}" ] && spec=".[${EXTRAS}]"
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e "$spec"
-  touch "$stamp"
+fresh() { [ -f "$1" ] && [ ! pyproject.toml -nt "$1" ]; }
+# A dev install includes the base one.
+if fresh "$stamp" || { [ -z "${EXTRAS:-}" ] && fresh .venv/.installed-dev; }; then
+  exit 0
 fi
+.venv/bin/python -m pip install -q --disable-pip-version-check -U pip
+spec="."
+[ -n "${EXTRAS:-}" ] && spec=".[${EXTRAS}]"
+.venv/bin/python -m pip install -q --disable-pip-version-check -e "$spec"
+touch "$stamp"
