@@ -69,6 +69,17 @@ class PassivePolicy:
     max_eject_s: float = 60.0
 
 
+@dataclass(frozen=True, slots=True)
+class PoolPolicy:
+    """The pool's rules, swapped whole on reload."""
+
+    healthy_threshold: int = 1
+    unhealthy_threshold: int = 3
+    passive: PassivePolicy = PassivePolicy()
+    max_inflight: int | None = None  # per backend; None: no cap
+    probes: bool = True  # active probes run (else a not-yet-probed backend counts as ready)
+
+
 class BackendPool:
     """The current membership and its state."""
 
@@ -76,21 +87,13 @@ class BackendPool:
         self,
         urls: Iterable[str],
         balancer: Balancer,
+        policy: PoolPolicy = PoolPolicy(),
         *,
-        healthy_threshold: int = 1,
-        unhealthy_threshold: int = 3,
-        passive: PassivePolicy = PassivePolicy(),
-        max_inflight: int | None = None,
-        probes: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.backends: tuple[Backend, ...] = ()
-        self._probes = probes
         self._balancer = balancer
-        self._healthy_threshold = healthy_threshold
-        self._unhealthy_threshold = unhealthy_threshold
-        self._passive = passive
-        self._max_inflight = max_inflight
+        self._policy = policy
         self._clock = clock
         self.update(urls)
 
@@ -123,31 +126,18 @@ class BackendPool:
             )
         return added, removed
 
-    def reconfigure(
-        self,
-        balancer: Balancer,
-        *,
-        healthy_threshold: int,
-        unhealthy_threshold: int,
-        passive: PassivePolicy,
-        max_inflight: int | None,
-        probes: bool,
-    ) -> None:
-        """Swap policies on reload; backend state is kept."""
-        self._probes = probes
+    def reconfigure(self, balancer: Balancer, policy: PoolPolicy) -> None:
+        """Swap rules on reload; backend state is kept."""
         balancer.set_members([b.url for b in self.backends])
         self._balancer = balancer
-        self._healthy_threshold = healthy_threshold
-        self._unhealthy_threshold = unhealthy_threshold
-        self._passive = passive
-        self._max_inflight = max_inflight
+        self._policy = policy
 
     # -- selection -----------------------------------------------------------------------
 
     def pick(self, exclude: Sequence[Backend] = (), key: str | None = None) -> Backend | None:
         """A routable backend below its concurrency cap, or None."""
         now = self._clock()
-        cap = self._max_inflight
+        cap = self._policy.max_inflight
         candidates = [
             b
             for b in self.backends
@@ -165,7 +155,7 @@ class BackendPool:
 
         Then waiting briefly for a slot makes sense; otherwise nothing will come.
         """
-        if self._max_inflight is None:
+        if self._policy.max_inflight is None:
             return False
         now = self._clock()
         return any(
@@ -178,7 +168,7 @@ class BackendPool:
         """At least one backend has been seen working (or, with probes off, is not known to
         be broken) and is not ejected."""
         now = self._clock()
-        ok = (Health.HEALTHY,) if self._probes else (Health.HEALTHY, Health.UNKNOWN)
+        ok = (Health.HEALTHY,) if self._policy.probes else (Health.HEALTHY, Health.UNKNOWN)
         return any(b.health in ok and b.ejected_until <= now for b in self.backends)
 
     # -- outcomes ----------------------------------------------------------------------
@@ -193,7 +183,7 @@ class BackendPool:
     def probe_ok(self, b: Backend) -> None:
         b.probe_failures = 0
         b.probe_successes += 1
-        if b.health is not Health.HEALTHY and b.probe_successes >= self._healthy_threshold:
+        if b.health is not Health.HEALTHY and b.probe_successes >= self._policy.healthy_threshold:
             if b.ejected_until:
                 # A passing probe ends a passive ejection early.
                 b.ejected_until = 0.0
@@ -204,7 +194,7 @@ class BackendPool:
     def probe_failed(self, b: Backend, why: str) -> None:
         b.probe_successes = 0
         b.probe_failures += 1
-        if b.health is Health.UNKNOWN or b.probe_failures >= self._unhealthy_threshold:
+        if b.health is Health.UNKNOWN or b.probe_failures >= self._policy.unhealthy_threshold:
             self._set(b, Health.UNHEALTHY, why)
 
     def response(self, b: Backend, status: int) -> None:
@@ -213,7 +203,7 @@ class BackendPool:
         b.connect_failures = 0
         if status >= 500:
             b.errors_5xx += 1
-            if b.errors_5xx >= self._passive.consecutive_5xx:
+            if b.errors_5xx >= self._policy.passive.consecutive_5xx:
                 self._eject(b, f"{b.errors_5xx} consecutive 5xx")
                 b.errors_5xx = 0
             return
@@ -230,13 +220,13 @@ class BackendPool:
         or the end of the ejection period, lets it back in.
         """
         b.connect_failures += 1
-        if b.connect_failures >= self._passive.consecutive_connect_failures:
+        if b.connect_failures >= self._policy.passive.consecutive_connect_failures:
             self._eject(b, why)
             b.connect_failures = 0
 
     def _eject(self, b: Backend, why: str) -> None:
         now = self._clock()
-        p = self._passive
+        p = self._policy.passive
         # Exponential back-off, so a dead backend costs ever fewer failed attempts.
         period = min(p.max_eject_s, p.base_eject_s * (2 ** min(b.ejections, 16)))
         if b.ejected_until <= now:

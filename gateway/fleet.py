@@ -12,7 +12,7 @@ import logging
 
 import aiohttp
 
-from gateway.backends import BackendPool, PassivePolicy
+from gateway.backends import BackendPool, PassivePolicy, PoolPolicy
 from gateway.balancers import BALANCERS, Balancer
 from gateway.config import BackendsConfig
 from gateway.discovery import (
@@ -32,13 +32,19 @@ def make_balancer(cfg: BackendsConfig) -> Balancer:
     return BALANCERS[cfg.balancer](cfg.seed)
 
 
-def _passive(cfg: BackendsConfig) -> PassivePolicy:
+def pool_policy(cfg: BackendsConfig) -> PoolPolicy:
     p = cfg.passive
-    return PassivePolicy(
-        consecutive_connect_failures=p.consecutive_connect_failures,
-        consecutive_5xx=p.consecutive_5xx,
-        base_eject_s=p.base_eject_s,
-        max_eject_s=p.max_eject_s,
+    return PoolPolicy(
+        healthy_threshold=cfg.health.healthy_threshold,
+        unhealthy_threshold=cfg.health.unhealthy_threshold,
+        passive=PassivePolicy(
+            consecutive_connect_failures=p.consecutive_connect_failures,
+            consecutive_5xx=p.consecutive_5xx,
+            base_eject_s=p.base_eject_s,
+            max_eject_s=p.max_eject_s,
+        ),
+        max_inflight=cfg.max_inflight_per_backend,
+        probes=cfg.health.enabled,
     )
 
 
@@ -47,15 +53,7 @@ class Fleet:
         self.cfg = cfg
         self._resolver = resolver
         initial = cfg.static if cfg.discovery == "static" else ()
-        self.pool = BackendPool(
-            initial,
-            make_balancer(cfg),
-            healthy_threshold=cfg.health.healthy_threshold,
-            unhealthy_threshold=cfg.health.unhealthy_threshold,
-            passive=_passive(cfg),
-            max_inflight=cfg.max_inflight_per_backend,
-            probes=cfg.health.enabled,
-        )
+        self.pool = BackendPool(initial, make_balancer(cfg), pool_policy(cfg))
         self.discovery: Discovery | None = None
         self._discovery_task: asyncio.Task[None] | None = None
         self._health: HealthChecker | None = None
@@ -116,14 +114,7 @@ class Fleet:
         assert self._session is not None and self._health is not None
         old = self.cfg
         self.cfg = cfg
-        self.pool.reconfigure(
-            make_balancer(cfg),
-            healthy_threshold=cfg.health.healthy_threshold,
-            unhealthy_threshold=cfg.health.unhealthy_threshold,
-            passive=_passive(cfg),
-            max_inflight=cfg.max_inflight_per_backend,
-            probes=cfg.health.enabled,
-        )
+        self.pool.reconfigure(make_balancer(cfg), pool_policy(cfg))
         if cfg.health != old.health:
             await self._health.stop()
             self._health = HealthChecker(self.pool, self._session, cfg.health)
