@@ -131,7 +131,8 @@ class Proxy:
                         ex.request_id,
                         rejection.reason,
                     )
-                    ex.detail = f"log_only:{rejection.policy}:{rejection.reason}"
+                    ex.log_only = rejection.policy
+                    ex.reason = rejection.reason
                 else:
                     return self._reject(ex, route.family, rejection)
 
