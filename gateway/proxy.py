@@ -272,7 +272,6 @@ class Proxy:
                 resp_headers.add(name, value)
             await resp.prepare(request)
             content = upstream.content
-            sent = 0
             while True:
                 try:
                     chunk = await content.readany()
@@ -285,7 +284,6 @@ class Proxy:
                     # truncation is visible (no final chunk, short Content-Length).
                     ex.outcome = "upstream_broken"
                     ex.detail = type(exc).__name__
-                    ex.bytes_out = sent
                     if request.transport is not None:
                         request.transport.abort()
                     return resp
@@ -295,10 +293,9 @@ class Proxy:
                     await resp.write(chunk)
                 except ConnectionError:
                     ex.outcome = "client_disconnect"
-                    ex.bytes_out = sent
                     return resp
-                sent += len(chunk)
-            ex.bytes_out = sent
+                # Counted as it goes: a client that leaves cancels this handler mid-loop.
+                ex.bytes_out += len(chunk)
             await resp.write_eof()
             clean = True
             return resp
