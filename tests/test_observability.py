@@ -4,10 +4,11 @@ real stubs on loopback, /metrics scraped over HTTP, the access logger's lines ca
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import os
 import re
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -679,47 +680,90 @@ async def test_no_prompt_or_credentials_in_logs(
         assert rid in everything
 
 
-async def test_cli_process_output_has_no_secrets(stub: StubBackend, tmp_path: Path) -> None:
-    """The real entry point with its real log set-up, at debug level: stdout and stderr."""
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.asynccontextmanager
+async def cli_gateway(tmp_path: Path, *args: str) -> AsyncIterator[tuple[int, Path, Path]]:
+    """The real entry point (`python -m gateway`) with its real log set-up; yields the
+    client port and the files its stdout and stderr go to. SIGTERM and exit 0 at the end.
+    Ports are picked up front: at log level warning the gateway does not print them."""
+    port, admin = free_port(), free_port()
     out_path, err_path = tmp_path / "out", tmp_path / "err"
     with out_path.open("wb") as out, err_path.open("wb") as err:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
             "gateway",
-            "--backend",
-            stub.url,
             "--host",
             "127.0.0.1",
             "--port",
-            "0",
+            str(port),
             "--admin-port",
-            "0",
-            "--log-level",
-            "debug",
+            str(admin),
+            *args,
             cwd=ROOT,
-            env=os.environ.copy(),
             stdout=out,
             stderr=err,
         )
     try:
-        port = 0
-        async with asyncio.timeout(20):
-            while not port:
+        async with asyncio.timeout(20), aiohttp.ClientSession() as s:
+            while True:
+                assert proc.returncode is None, err_path.read_text()
+                try:
+                    async with s.get(f"http://127.0.0.1:{admin}/readyz") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientConnectionError:
+                    pass
                 await asyncio.sleep(0.05)
-                m = re.search(r"listening on 127\.0\.0\.1:(\d+)", err_path.read_text())
-                if m:
-                    port = int(m.group(1))
-        async with aiohttp.ClientSession() as s:
-            for method, path, body, headers in _secret_requests():
-                url = f"http://127.0.0.1:{port}{path}"
-                async with s.request(method, url, data=body, headers={**JSON, **headers}) as r:
-                    await r.read()
+        yield port, out_path, err_path
     finally:
-        proc.send_signal(signal.SIGTERM)
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), timeout=10) == 0
+
+
+async def test_cli_process_output_has_no_secrets(stub: StubBackend, tmp_path: Path) -> None:
+    """The real entry point with its real log set-up, at debug level: stdout and stderr."""
+    async with (
+        cli_gateway(tmp_path, "--backend", stub.url, "--log-level", "debug") as (
+            port,
+            out_path,
+            err_path,
+        ),
+        aiohttp.ClientSession() as s,
+    ):
+        for method, path, body, headers in _secret_requests():
+            url = f"http://127.0.0.1:{port}{path}"
+            async with s.request(method, url, data=body, headers={**JSON, **headers}) as r:
+                await r.read()
     stdout, stderr = out_path.read_text(), err_path.read_text()
     _assert_no_secrets(stdout + stderr)
     lines = stdout.splitlines()
     assert len(lines) == len(_secret_requests())  # stdout is the access log, one JSON line each
     assert {orjson.loads(line)["request_id"] for line in lines} >= {"s-ok", "s-rej", "s-404"}
+
+
+async def test_cli_access_log_does_not_depend_on_log_level(
+    stub: StubBackend, tmp_path: Path
+) -> None:
+    """logging.level: warning quiets the gateway's own messages, not the access log, which
+    logging.access_log alone switches (config/rl-filter.yaml runs this way)."""
+    async with (
+        cli_gateway(tmp_path, "--backend", stub.url, "--log-level", "warning") as (
+            port,
+            out_path,
+            _,
+        ),
+        aiohttp.ClientSession() as s,
+    ):
+        for rid in ("lvl-1", "lvl-2"):
+            hdrs = {**JSON, "X-Request-Id": rid}
+            async with s.post(f"http://127.0.0.1:{port}/generate", data=OK_BODY, headers=hdrs) as r:
+                assert r.status == 200
+    lines = out_path.read_text().splitlines()
+    assert [orjson.loads(line)["request_id"] for line in lines] == ["lvl-1", "lvl-2"]
