@@ -8,7 +8,7 @@
 #     embedded in each ConfigMap, with `sglang-gateway --check-config`; the ingress
 #     ConfigMap must carry config/ingress.yaml verbatim;
 #   - docker/compose.yaml: parses, mounts a config that exists; `docker compose config`
-#     too when a compose plugin is installed.
+#     and the compose-spec schema (check-jsonschema) too where those are installed.
 # Tools come from .venv (EXTRAS=dev or EXTRAS=deploy scripts/bootstrap.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -89,10 +89,15 @@ for cfg in "${configs[@]}"; do
   fi
 done
 
+# Optional extras for the compose file, used only where installed.
 if docker compose version >/dev/null 2>&1; then
   echo "-- docker compose config"
   docker compose -f docker/compose.yaml config --quiet
 else
   echo "-- docker compose config: skipped (no compose plugin here)"
+fi
+if command -v check-jsonschema >/dev/null; then
+  echo "-- check-jsonschema compose-spec"
+  check-jsonschema --builtin-schema vendor.compose-spec docker/compose.yaml
 fi
 echo "validate-deploy: ok"
