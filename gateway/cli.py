@@ -109,6 +109,9 @@ def setup_logging(level: str) -> None:
     handler.setFormatter(logging.Formatter("%(message)s"))
     access.addHandler(handler)
     access.propagate = False
+    # Switched by logging.access_log alone: level "warning" quiets the gateway's own
+    # messages, not the one line per request.
+    access.setLevel(logging.INFO)
 
 
 def run_loop(main: Any) -> None:

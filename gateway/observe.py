@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Protocol
 
 import orjson
@@ -26,6 +27,7 @@ class Exchange:
     status: int = 0
     outcome: str = "ok"  # ok | rejected:<policy> | no_backend | upstream_error | ...
     reason: str = ""  # the rejecting policy's reason label, when rejected
+    log_only: str = ""  # a policy in log_only mode that would have rejected (then: reason)
     detail: str = ""  # internal detail for the log only, never sent to the client
     backend: str = ""
     attempts: int = 0
@@ -52,37 +54,49 @@ class AccessLog:
         end = ex.finished or time.perf_counter()
         total_ms = round((end - ex.started) * 1000, 3)
         ttfb_ms = None if ex.first_byte is None else round((ex.first_byte - ex.started) * 1000, 3)
+        ts = _timestamp(time.time())
         if self._json:
             record = {
-                "ts": time.time(),
+                "ts": ts,
                 "request_id": ex.request_id,
                 "method": ex.method,
                 "route": ex.route,
                 "status": ex.status,
                 "outcome": ex.outcome,
+                "reason": ex.reason or None,
                 "backend": ex.backend or None,
                 "attempts": ex.attempts,
-                "reason": ex.reason or None,
                 "bytes_in": ex.bytes_in,
                 "bytes_out": ex.bytes_out,
                 "ttfb_ms": ttfb_ms,
                 "duration_ms": total_ms,
             }
+            if ex.log_only:
+                record["log_only"] = ex.log_only
             if ex.detail:
                 record["detail"] = ex.detail
             access_log.info(orjson.dumps(record).decode())
         else:
             access_log.info(
-                "%s %s %s %d %s backend=%s in=%d out=%d ttfb_ms=%s ms=%.1f%s",
+                "%s %s %s %s %d %s reason=%s backend=%s attempts=%d in=%d out=%d "
+                "ttfb_ms=%s ms=%.1f%s",
+                ts,
                 ex.request_id,
                 ex.method,
                 ex.route,
                 ex.status,
                 ex.outcome,
+                ex.reason or "-",
                 ex.backend or "-",
+                ex.attempts,
                 ex.bytes_in,
                 ex.bytes_out,
-                ttfb_ms,
+                "-" if ttfb_ms is None else f"{ttfb_ms:.1f}",
                 total_ms,
                 f" detail={ex.detail}" if ex.detail else "",
             )
+
+
+def _timestamp(epoch: float) -> str:
+    """RFC 3339 in UTC with milliseconds, e.g. 2026-11-30T08:15:02.127Z."""
+    return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="milliseconds")[:-6] + "Z"

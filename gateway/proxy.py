@@ -229,7 +229,8 @@ class Proxy:
                         ex.request_id,
                         rejection.reason,
                     )
-                    ex.detail = f"log_only:{rejection.policy}:{rejection.reason}"
+                    ex.log_only = rejection.policy
+                    ex.reason = rejection.reason
                 else:
                     return self._reject(ex, route.family, rejection)
 
@@ -447,7 +448,6 @@ class Proxy:
                 resp_headers.add(name, value)
             await resp.prepare(request)
             content = upstream.content
-            sent = 0
             while True:
                 try:
                     chunk = await content.readany()
@@ -460,23 +460,22 @@ class Proxy:
                     # truncation is visible (no final chunk, short Content-Length).
                     ex.outcome = "upstream_broken"
                     ex.detail = type(exc).__name__
-                    ex.bytes_out = sent
                     if request.transport is not None:
                         request.transport.abort()
                     return resp
                 if not chunk:
                     break
-                sent += len(chunk)
                 try:
-                    if length is not None and sent >= length:
+                    if length is not None and ex.bytes_out + len(chunk) >= length:
                         await resp.write_eof(chunk)  # headers, body and end in one write
+                        ex.bytes_out += len(chunk)
                         break
                     await resp.write(chunk)
                 except ConnectionError:
                     ex.outcome = "client_disconnect"
-                    ex.bytes_out = sent - len(chunk)
                     return resp
-            ex.bytes_out = sent
+                # Counted as it goes: a client that leaves cancels this handler mid-loop.
+                ex.bytes_out += len(chunk)
             await resp.write_eof()  # a no-op when the last chunk already ended it
             clean = True
             return resp

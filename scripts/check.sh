@@ -11,4 +11,5 @@ if [ "${1:-}" = "--slow" ]; then marker=(); shift; fi
 echo "== ruff format --check"; ruff format --check gateway tests
 echo "== ruff check"; ruff check gateway tests
 echo "== mypy --strict gateway"; mypy
+echo "== validate-deploy"; scripts/validate-deploy.sh
 echo "== pytest"; python -m pytest -q -p no:cacheprovider "${marker[@]}" "$@"
