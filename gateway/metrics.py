@@ -13,14 +13,21 @@ output too instead of lingering as a stale series.
 
 from __future__ import annotations
 
+import bisect
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Final, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from gateway.backends import BackendPool, Health
 from gateway.observe import Exchange
@@ -64,27 +71,72 @@ def _method(method: str) -> str:
     return method if method in _METHODS else "other"
 
 
-class _WithoutCreated(Collector):
-    """A view of a registry that leaves out the `<name>_created` samples.
+class _Counter:
+    """Counter series keyed by their label values.
 
-    prometheus_client writes a `_created` timestamp beside every counter and histogram
-    series, which doubles the output and that Prometheus' text format does not need. Its
-    switch (`disable_created_metrics()`) is process-global state; filtering our own
-    registry's output here keeps the choice local to this gateway instance.
+    Plain floats, no locks: every update happens on the event loop thread, and
+    prometheus_client's per-series locks and label validation cost more than the rest of
+    the bookkeeping of a request together.
     """
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self._registry = registry
+    __slots__ = ("doc", "labels", "name", "values")
 
-    def collect(self) -> Iterable[Metric]:
-        for family in self._registry.collect():
-            created = family.name + "_created"
-            if not any(s.name == created for s in family.samples):
-                yield family
-                continue
-            out = Metric(family.name, family.documentation, family.type, family.unit)
-            out.samples = [s for s in family.samples if s.name != created]
-            yield out
+    def __init__(self, name: str, doc: str, labels: Sequence[str]) -> None:
+        self.name = PREFIX + name
+        self.doc = doc
+        self.labels = list(labels)
+        self.values: dict[tuple[str, ...], float] = {}
+
+    def inc(self, key: tuple[str, ...], amount: float = 1.0) -> None:
+        values = self.values
+        values[key] = values.get(key, 0.0) + amount
+
+    def family(self) -> Metric:
+        family = CounterMetricFamily(self.name, self.doc, labels=self.labels)
+        for key, value in self.values.items():
+            family.add_metric(list(key), value)
+        return family
+
+
+class _Histogram:
+    """Histogram series keyed by label values: per-bucket counts and a sum, made cumulative
+    only when scraped."""
+
+    __slots__ = ("bounds", "doc", "labels", "les", "name", "values")
+
+    def __init__(self, name: str, doc: str, labels: Sequence[str], bounds: Sequence[float]) -> None:
+        self.name = PREFIX + name
+        self.doc = doc
+        self.labels = list(labels)
+        self.bounds = tuple(sorted(bounds))
+        self.les = tuple(_bound(b) for b in self.bounds)
+        # counts for each bound, then +Inf, then the sum
+        self.values: dict[tuple[str, ...], list[float]] = {}
+
+    def observe(self, key: tuple[str, ...], value: float) -> None:
+        row = self.values.get(key)
+        if row is None:
+            row = self.values[key] = [0.0] * (len(self.bounds) + 2)
+        row[bisect.bisect_left(self.bounds, value)] += 1  # le: value <= bound
+        row[-1] += value
+
+    def family(self) -> Metric:
+        family = HistogramMetricFamily(self.name, self.doc, labels=self.labels)
+        for key, row in self.values.items():
+            buckets = []
+            total = 0.0
+            for le, count in zip(self.les, row, strict=False):
+                total += count
+                buckets.append((le, total))
+            buckets.append(("+Inf", total + row[len(self.bounds)]))
+            family.add_metric(list(key), buckets, row[-1])
+        return family
+
+
+def _bound(value: float) -> str:
+    # The spelling prometheus_client's own histograms use for `le` (e.g. 1.048576e+06);
+    # the library ships the helper without annotations.
+    return str(floatToGoString(value))  # type: ignore[no-untyped-call]
 
 
 class _BackendCollector(Collector):
@@ -151,127 +203,127 @@ class _BackendCollector(Collector):
         )
 
 
-class Metrics:
-    """The gateway's metrics; also an observer of finished exchanges."""
+class Metrics(Collector):
+    """The gateway's request metrics (an observer of finished exchanges) and its registry."""
 
     def __init__(self, pool: BackendPool, inflight: Callable[[], int]) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        p = PREFIX
-        self.requests = Counter(
-            p + "requests",
+        self._inflight = inflight
+        self.requests = _Counter(
+            "requests",
             "Requests answered, by route, method and status class.",
             ["route", "method", "status_class"],
-            registry=r,
         )
-        self.outcomes = Counter(
-            p + "request_outcomes",
+        self.outcomes = _Counter(
+            "request_outcomes",
             "Requests by outcome (ok, rejected:<policy>, no_backend, upstream_error, ...).",
             ["outcome"],
-            registry=r,
         )
-        self.rejections = Counter(
-            p + "rejections",
+        self.rejections = _Counter(
+            "rejections",
             "Requests refused by the gateway, by policy and reason.",
             ["policy", "reason"],
-            registry=r,
         )
-        self.log_only_rejections = Counter(
-            p + "log_only_rejections",
+        self.log_only_rejections = _Counter(
+            "log_only_rejections",
             "Requests a policy in log_only mode would have refused (they were forwarded).",
             ["policy", "reason"],
-            registry=r,
         )
-        self.upstream_attempts = Counter(
-            p + "upstream_attempts",
-            "Requests sent (or tried) to a backend, by backend.",
-            ["backend"],
-            registry=r,
+        self.upstream_attempts = _Counter(
+            "upstream_attempts", "Requests sent (or tried) to a backend, by backend.", ["backend"]
         )
-        self.upstream_retries = Counter(
-            p + "upstream_retries",
+        self.upstream_retries = _Counter(
+            "upstream_retries",
             "Attempts beyond a request's first, by the backend whose failure caused the retry "
             "and the cause.",
             ["backend", "cause"],
-            registry=r,
         )
-        self.upstream_errors = Counter(
-            p + "upstream_errors",
+        self.upstream_errors = _Counter(
+            "upstream_errors",
             "Upstream failures by backend and cause (connect_failed, upstream_error, "
             "upstream_timeout, upstream_broken).",
             ["backend", "cause"],
-            registry=r,
         )
-        self.client_disconnects = Counter(
-            p + "client_disconnects",
+        self.client_disconnects = _Counter(
+            "client_disconnects",
             "Clients that went away before the reply ended, by phase (waiting: before the "
             "response headers, streaming: during the body).",
             ["phase"],
-            registry=r,
         )
-        self.ttfb = Histogram(
-            p + "upstream_ttfb_seconds",
+        self.ttfb = _Histogram(
+            "upstream_ttfb_seconds",
             "Time from request start to upstream response headers.",
             ["route"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
         )
-        self.duration = Histogram(
-            p + "request_duration_seconds",
+        self.duration = _Histogram(
+            "request_duration_seconds",
             "Time from request start to the end of the reply.",
             ["route"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            _LATENCY_BUCKETS,
         )
-        self.bytes_in = Histogram(
-            p + "request_body_bytes",
+        self.bytes_in = _Histogram(
+            "request_body_bytes",
             "Request body sizes received from clients.",
             ["route"],
-            buckets=_BYTES_BUCKETS,
-            registry=r,
+            _BYTES_BUCKETS,
         )
-        self.bytes_out = Histogram(
-            p + "response_body_bytes",
-            "Response body sizes sent to clients.",
-            ["route"],
-            buckets=_BYTES_BUCKETS,
-            registry=r,
+        self.bytes_out = _Histogram(
+            "response_body_bytes", "Response body sizes sent to clients.", ["route"], _BYTES_BUCKETS
         )
-        Gauge(p + "inflight_requests", "Requests being handled.", registry=r).set_function(
-            lambda: float(inflight())
+        self._series: tuple[_Counter | _Histogram, ...] = (
+            self.requests,
+            self.outcomes,
+            self.rejections,
+            self.log_only_rejections,
+            self.upstream_attempts,
+            self.upstream_retries,
+            self.upstream_errors,
+            self.client_disconnects,
+            self.ttfb,
+            self.duration,
+            self.bytes_in,
+            self.bytes_out,
         )
-        r.register(_BackendCollector(pool))
-        self._exposed = _WithoutCreated(r)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+        self.registry.register(_BackendCollector(pool))
+
+    def collect(self) -> Iterable[Metric]:
+        for series in self._series:
+            yield series.family()
+        yield GaugeMetricFamily(
+            PREFIX + "inflight_requests", "Requests being handled.", value=float(self._inflight())
+        )
 
     def finish(self, ex: Exchange) -> None:
-        route = ex.route
-        self.requests.labels(route, _method(ex.method), _status_class(ex.status)).inc()
-        self.outcomes.labels(ex.outcome).inc()
-        if ex.outcome.startswith("rejected:"):
-            self.rejections.labels(ex.outcome[9:], ex.reason).inc()
-        elif ex.outcome == "client_disconnect":
-            phase = "waiting" if ex.first_byte is None else "streaming"
-            self.client_disconnects.labels(phase).inc()
+        route = (ex.route,)
+        outcome = ex.outcome
+        self.requests.inc((ex.route, _method(ex.method), _status_class(ex.status)))
+        self.outcomes.inc((outcome,))
+        if outcome.startswith("rejected:"):
+            self.rejections.inc((outcome[9:], ex.reason))
+        elif outcome == "client_disconnect":
+            self.client_disconnects.inc(("waiting" if ex.first_byte is None else "streaming",))
         if ex.log_only:
-            self.log_only_rejections.labels(ex.log_only, ex.reason).inc()
+            self.log_only_rejections.inc((ex.log_only, ex.reason))
         for i, url in enumerate(ex.connect_failed):
-            self.upstream_attempts.labels(url).inc()
-            self.upstream_errors.labels(url, "connect_failed").inc()
+            self.upstream_attempts.inc((url,))
+            self.upstream_errors.inc((url, "connect_failed"))
             if i + 1 < ex.attempts:  # another attempt followed this failure
-                self.upstream_retries.labels(url, "connect_failed").inc()
+                self.upstream_retries.inc((url, "connect_failed"))
         if ex.backend and ex.attempts > len(ex.connect_failed):
-            self.upstream_attempts.labels(ex.backend).inc()
-            if ex.outcome in _UPSTREAM_FAILURES:
-                self.upstream_errors.labels(ex.backend, ex.outcome).inc()
+            self.upstream_attempts.inc((ex.backend,))
+            if outcome in _UPSTREAM_FAILURES:
+                self.upstream_errors.inc((ex.backend, outcome))
         if ex.first_byte is not None:
-            self.ttfb.labels(route).observe(ex.first_byte - ex.started)
+            self.ttfb.observe(route, ex.first_byte - ex.started)
         if ex.finished is not None:
-            self.duration.labels(route).observe(ex.finished - ex.started)
-        self.bytes_in.labels(route).observe(ex.bytes_in)
-        self.bytes_out.labels(route).observe(ex.bytes_out)
+            self.duration.observe(route, ex.finished - ex.started)
+        self.bytes_in.observe(route, ex.bytes_in)
+        self.bytes_out.observe(route, ex.bytes_out)
 
     def render(self) -> tuple[bytes, str]:
-        return generate_latest(self._exposed), CONTENT_TYPE_LATEST
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
 class _DiscoveryStats(Protocol):
