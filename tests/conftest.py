@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import re
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -84,6 +87,35 @@ def gw_url(gw: Gateway, path: str = "") -> str:
 
 def admin_url(gw: Gateway, path: str = "") -> str:
     return f"http://127.0.0.1:{gw.admin_port}{path}"
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+async def spawn(module: str, *args: str, **kwargs: Any) -> asyncio.subprocess.Process:
+    """`python -m module args` from the repository root: a real process, real signals."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", module, *args, cwd=ROOT, **kwargs
+    )
+
+
+async def read_match(
+    stream: asyncio.StreamReader | None, pattern: str, timeout: float = 20
+) -> re.Match[str]:
+    """The first line of a process's output that matches `pattern`."""
+    assert stream is not None
+    async with asyncio.timeout(timeout):
+        while True:
+            line = (await stream.readline()).decode()
+            assert line, f"the process ended before printing {pattern!r}"
+            if m := re.search(pattern, line):
+                return m
+
+
+async def start_stub_process(*args: str) -> tuple[asyncio.subprocess.Process, str]:
+    proc = await spawn("gateway.stub", "--port", "0", *args, stdout=asyncio.subprocess.PIPE)
+    m = await read_match(proc.stdout, r"stub listening on (http://\S+)")
+    return proc, m.group(1)
 
 
 async def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:

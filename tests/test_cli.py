@@ -6,7 +6,6 @@ import asyncio
 import os
 import re
 import signal
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -15,17 +14,13 @@ import orjson
 import pytest
 
 from gateway.stub import StubBackend
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import ROOT, read_match, spawn, start_stub_process
 
 
 async def run_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
+    proc = await spawn(
         "gateway",
         *args,
-        cwd=ROOT,
         env={**os.environ, **(env or {})},
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
@@ -97,32 +92,16 @@ async def test_refuses_to_run_without_the_c_parser() -> None:
 async def gateway_process(
     stub: StubBackend,
 ) -> AsyncIterator[tuple[asyncio.subprocess.Process, int, int]]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
+    proc = await spawn(
         "gateway",
-        "--backend",
-        stub.url,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--admin-port",
-        "0",
-        cwd=ROOT,
+        *("--backend", stub.url, "--host", "127.0.0.1", "--port", "0", "--admin-port", "0"),
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
     )
-    assert proc.stderr is not None
-    port = admin = 0
-    async with asyncio.timeout(20):
-        while not port:
-            line = (await proc.stderr.readline()).decode()
-            assert line, "gateway exited before listening"
-            m = re.search(r"listening on 127\.0\.0\.1:(\d+) \(admin 127\.0\.0\.1:(\d+)\)", line)
-            if m:
-                port, admin = int(m.group(1)), int(m.group(2))
-    yield proc, port, admin
+    m = await read_match(
+        proc.stderr, r"listening on 127\.0\.0\.1:(\d+) \(admin 127\.0\.0\.1:(\d+)\)"
+    )
+    yield proc, int(m.group(1)), int(m.group(2))
     if proc.returncode is None:
         proc.kill()
         await proc.wait()
@@ -159,21 +138,9 @@ async def test_sigterm_drains_streams_then_exits_0(
 
 
 async def test_stub_runs_as_a_module() -> None:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "gateway.stub",
-        "--port",
-        "0",
-        cwd=ROOT,
-        stdout=asyncio.subprocess.PIPE,
-    )
-    assert proc.stdout is not None
+    proc, url = await start_stub_process()
     try:
-        line = (await asyncio.wait_for(proc.stdout.readline(), timeout=20)).decode()
-        url = re.search(r"stub listening on (http://\S+)", line)
-        assert url, line
-        async with aiohttp.ClientSession() as s, s.get(url.group(1) + "/health") as r:
+        async with aiohttp.ClientSession() as s, s.get(url + "/health") as r:
             assert r.status == 200
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -187,27 +154,17 @@ async def test_sighup_reloads_the_config_file(stub: StubBackend, tmp_path: Path)
         f"backends: {{static: ['{stub.url}']}}\n"
     )
     path.write_text(base + "policy: {sampling_mask: {mode: enforce}}\n")
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
+    proc = await spawn(
         "gateway",
         "--config",
         str(path),
-        cwd=ROOT,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
     )
-    assert proc.stderr is not None
     unbounded = orjson.dumps({"text": "x", "return_sampling_mask": True})
 
     async def wait_line(pattern: str) -> re.Match[str]:
-        assert proc.stderr is not None
-        async with asyncio.timeout(20):
-            while True:
-                line = (await proc.stderr.readline()).decode()
-                assert line, "gateway exited"
-                if m := re.search(pattern, line):
-                    return m
+        return await read_match(proc.stderr, pattern)
 
     try:
         port = int((await wait_line(r"listening on 127\.0\.0\.1:(\d+)")).group(1))

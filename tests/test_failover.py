@@ -8,23 +8,18 @@ retried on the survivors and the dead backend is ejected. The run prints its fig
 from __future__ import annotations
 
 import asyncio
-import re
 import signal
-import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import aiohttp
 import orjson
 import pytest
 
 from gateway.backends import Health
-from tests.conftest import GatewayFactory, gw_url
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import GatewayFactory, gw_url, start_stub_process
 
 
 @dataclass
@@ -33,28 +28,9 @@ class Run:
     results: list[tuple[float, float, str]] = field(default_factory=list)  # start, end, outcome
 
 
-async def start_stub() -> tuple[asyncio.subprocess.Process, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "gateway.stub",
-        "--port",
-        "0",
-        "--delay-ms",
-        "30",
-        cwd=ROOT,
-        stdout=asyncio.subprocess.PIPE,
-    )
-    assert proc.stdout is not None
-    line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()
-    m = re.search(r"listening on (http://\S+)", line)
-    assert m, line
-    return proc, m.group(1)
-
-
 @pytest.fixture
 async def stub_processes() -> AsyncIterator[list[tuple[asyncio.subprocess.Process, str]]]:
-    procs = [await start_stub() for _ in range(3)]
+    procs = [await start_stub_process("--delay-ms", "30") for _ in range(3)]
     yield procs
     for proc, _ in procs:
         if proc.returncode is None:

@@ -5,16 +5,13 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
-import sys
-from pathlib import Path
 
 import aiohttp
 import orjson
 
 from gateway.stub import StubBackend
 from gateway.workers import merge_metrics
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import spawn
 
 
 def free_port() -> int:
@@ -34,9 +31,7 @@ def test_merge_labels_each_worker() -> None:
 
 async def test_two_workers_share_the_port(stub: StubBackend) -> None:
     port, admin = free_port(), free_port()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
+    proc = await spawn(
         "gateway",
         "--backend",
         stub.url,
@@ -48,7 +43,6 @@ async def test_two_workers_share_the_port(stub: StubBackend) -> None:
         str(admin),
         "--workers",
         "2",
-        cwd=ROOT,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.DEVNULL,
     )
