@@ -200,14 +200,24 @@ def _parallel(params: object) -> bool:
 
 
 def _batch_size(body: Mapping[str, Any]) -> int | None:
-    """Items in a /generate batch, or None for a single request (sglang-contract.md s.4)."""
+    """Items in a /generate batch, or None for a single request (sglang-contract.md s.4).
+
+    Like SGLang's `_determine_batch_size`, the first of text, input_ids, input_embeds that is
+    not null decides alone: a batch-shaped input_embeds next to a string text is a single
+    request, on which a list mask such as [false] is truthy.
+    """
     text = body.get("text")
-    if isinstance(text, list):
-        return len(text)
-    for key in ("input_ids", "input_embeds"):
-        value = body.get(key)
-        if isinstance(value, list) and value and isinstance(value[0], list):
-            if key == "input_embeds" and not (value[0] and isinstance(value[0][0], list)):
-                continue  # one sequence of embedding vectors is a single request
-            return len(value)
-    return None
+    if text is not None:
+        return len(text) if isinstance(text, list) else None
+    value = body.get("input_ids")
+    if value is not None:
+        return len(value) if isinstance(value, list) and value and _is_list(value[0]) else None
+    embeds = body.get("input_embeds")
+    first = embeds[0] if isinstance(embeds, list) and embeds else None
+    if isinstance(embeds, list) and isinstance(first, list) and first and _is_list(first[0]):
+        return len(embeds)
+    return None  # one sequence of embedding vectors is a single request
+
+
+def _is_list(value: object) -> bool:
+    return isinstance(value, list)
