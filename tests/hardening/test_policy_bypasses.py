@@ -43,3 +43,42 @@ def test_batch_shape_precedence_keeps_real_batches() -> None:
     )
     assert sglang.read("POST", "/generate", body).accepted
     assert inspect_body(Kind.GENERATE, body, POLICY) is None
+
+
+# /vertex_generate builds GenerateReqInput(**parameters) directly, without pydantic, so the
+# mask is read with Python truthiness ("false" and ["off"] are ON) and the batch shape comes
+# from the raw lists (a parameters text, or one instance's flat embedding, is a single request).
+VERTEX_RAW = [
+    b'{"instances": [{"text": "a"}], "parameters": {"return_sampling_mask": "false"}}',
+    b'{"instances": [{"text": "a"}], "parameters": {"return_sampling_mask": "no"}}',
+    b'{"instances": [{"text": "a"}], "parameters": {"return_sampling_mask": "0"}}',
+    b'{"instances": [{"text": "a"}], "parameters": {"return_sampling_mask": ["off"]}}',
+    b'{"instances": [{"text": "a"}, {"text": "b"}],'
+    b' "parameters": {"return_sampling_mask": [false, "n"]}}',
+    b'{"instances": [{}], "parameters": {"text": "a", "return_sampling_mask": [false]}}',
+    b'{"instances": [{"input_embeds": [0.1, 0.2]}], "parameters": {"return_sampling_mask": [0]}}',
+]
+
+
+@pytest.mark.parametrize("body", VERTEX_RAW)
+def test_vertex_parameters_read_as_sglang_reads_them(body: bytes) -> None:
+    assert sglang.read("POST", "/vertex_generate", body).runs_unbounded_mask
+    rejection = inspect_body(Kind.VERTEX, body, POLICY)
+    assert rejection is not None
+    assert rejection.status == 400
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # Not a pydantic boolean, but SGLang never validates it here: greedy, so it runs.
+        b'{"instances": [{"text": "a"}],'
+        b' "parameters": {"return_sampling_mask": 2, "sampling_params": {"temperature": 0}}}',
+        b'{"instances": [{"text": "a"}, {"text": "b"}],'
+        b' "parameters": {"return_sampling_mask": [true, ""], "sampling_params": {"top_k": 8}}}',
+        b'{"instances": [{"text": "a"}], "parameters": {"return_sampling_mask": ""}}',
+    ],
+)
+def test_vertex_accepted_bodies_still_forwarded(body: bytes) -> None:
+    assert sglang.read("POST", "/vertex_generate", body).accepted
+    assert inspect_body(Kind.VERTEX, body, POLICY) is None
