@@ -191,8 +191,9 @@ class MaskPolicy:
     def _check_item(
         self, params: Mapping[str, Any], *, mask_on: bool, generate: bool
     ) -> Rejection | None:
-        if is_greedy(params.get("temperature")):
-            # SGLang forces top_k = 1 for greedy items whatever top_k says.
+        if is_greedy(params.get("temperature")) and not (generate and params.get("is_normalized")):
+            # SGLang forces top_k = 1 for greedy items whatever top_k says, unless the
+            # sampling_params carry a truthy `is_normalized`, which skips that step.
             return None
         if "top_k" in params:
             raw = params["top_k"]

@@ -82,3 +82,42 @@ def test_vertex_parameters_read_as_sglang_reads_them(body: bytes) -> None:
 def test_vertex_accepted_bodies_still_forwarded(body: bytes) -> None:
     assert sglang.read("POST", "/vertex_generate", body).accepted
     assert inspect_body(Kind.VERTEX, body, POLICY) is None
+
+
+# SamplingParams.__post_init__ returns early when `is_normalized` is truthy (it is a keyword
+# argument like any other): greedy forcing (top_k = 1) and -1 -> TOP_K_ALL are skipped, so a
+# greedy temperature no longer makes top_k finite.
+IS_NORMALIZED = [
+    (
+        Kind.GENERATE,
+        b'{"text": "hi", "sampling_params": {"temperature": 0, "is_normalized": true},'
+        b' "return_sampling_mask": true}',
+    ),
+    (
+        Kind.GENERATE,
+        b'{"text": ["a", "b"], "sampling_params": [{"top_k": 3}, {"temperature": 0.0,'
+        b' "is_normalized": 1}], "return_sampling_mask": true}',
+    ),
+    (
+        Kind.VERTEX,
+        b'{"instances": [{"text": "a"}], "parameters": {"return_sampling_mask": true,'
+        b' "sampling_params": {"temperature": 0, "is_normalized": "yes"}}}',
+    ),
+]
+
+
+@pytest.mark.parametrize(("kind", "body"), IS_NORMALIZED)
+def test_is_normalized_disables_greedy_forcing(kind: Kind, body: bytes) -> None:
+    assert sglang.read("POST", ROUTE[kind], body).runs_unbounded_mask
+    rejection = inspect_body(kind, body, POLICY)
+    assert rejection is not None
+    assert rejection.status == 400
+
+
+def test_is_normalized_with_a_finite_top_k_is_forwarded() -> None:
+    body = (
+        b'{"text": "hi", "sampling_params": {"temperature": 0, "is_normalized": true,'
+        b' "top_k": 4}, "return_sampling_mask": true}'
+    )
+    assert sglang.read("POST", "/generate", body).accepted
+    assert inspect_body(Kind.GENERATE, body, POLICY) is None
