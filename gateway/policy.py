@@ -49,6 +49,8 @@ class Rejection:
     # SGLang answers body-validation failures in the OpenAI shape on every route, and
     # rule failures in the route's own shape; True selects the former.
     validation: bool = False
+    # For the log only (under the request id), never sent: e.g. the JSON parser's own words.
+    detail: str = ""
 
 
 def _invalid(exc: Invalid) -> Rejection:

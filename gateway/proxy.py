@@ -185,6 +185,8 @@ class Proxy:
     ) -> web.Response:
         body = errors.render_rejection(family, rejection)
         ex.reason = rejection.reason
+        if rejection.detail:
+            ex.detail = rejection.detail
         return self._reply(ex, rejection.status, body, f"rejected:{rejection.policy}", close=close)
 
     def _unavailable(self, ex: Exchange, family: Family, outcome: str) -> web.Response:
