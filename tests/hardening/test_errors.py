@@ -7,6 +7,7 @@ covered with the fault backends in test_faults.py; malformed HTTP in test_bad_in
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import aiohttp
@@ -84,3 +85,56 @@ async def test_invalid_json_detail_goes_to_the_log(
     assert_no_internals(message.encode())
     (record,) = [rec for rec in _access_records(caplog) if rec["request_id"] == rid]
     assert "trailing comma" in str(record["detail"])
+
+
+@pytest.mark.parametrize(
+    ("path", "shape"),
+    [("/generate", "generate"), ("/v1/chat/completions", "openai"), ("/health", "plain")],
+)
+async def test_handler_crash_is_a_generic_500(
+    stub: StubBackend,
+    gateway: Gateway,
+    session: aiohttp.ClientSession,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    path: str,
+    shape: str,
+) -> None:
+    """An unexpected exception anywhere in the request path: 500, route shape, nothing leaked.
+
+    asyncio debug mode is on, in which aiohttp's fallback would write the traceback.
+    """
+    from gateway import proxy
+
+    secret = "RuntimeError at http://10.9.8.7:30000 in /srv/gateway/proxy.py"
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(secret)
+
+    monkeypatch.setattr(proxy, "inspect_body", boom)
+    monkeypatch.setattr(proxy.ForwardingPolicy, "upstream", boom)
+    asyncio.get_running_loop().set_debug(True)
+    caplog.set_level(logging.INFO)
+    try:
+        method, body = ("GET", None) if path == "/health" else ("POST", MASK)
+        async with session.request(method, gw_url(gateway, path), data=body, headers=JSON) as r:
+            status, data, rid = r.status, await r.read(), r.headers.get("X-Request-Id")
+    finally:
+        asyncio.get_running_loop().set_debug(False)
+    assert status == 500
+    assert_no_internals(data, addresses=[stub.url])
+    assert "10.9.8.7" not in data.decode()
+    body = orjson.loads(data)
+    if shape == "generate":
+        assert set(body) == {"error"}
+    elif shape == "openai":
+        assert body["object"] == "error" and body["code"] == 500
+    else:
+        assert set(body) == {"detail"}
+    assert rid
+    logged = "\n".join(rec.getMessage() + str(rec.exc_info) for rec in caplog.records)
+    assert rid in logged and secret in logged  # the detail is in the log, under the id
+    # The gateway keeps serving.
+    monkeypatch.undo()
+    async with session.get(gw_url(gateway, "/health")) as r:
+        assert r.status == 200
