@@ -16,8 +16,9 @@ import pytest
 
 from gateway.server import Gateway
 from gateway.stub import StubBackend
-from tests.conftest import gw_url
+from tests.conftest import GatewayFactory, gw_url
 from tests.hardening.checks import assert_no_internals
+from tests.hardening.rawnet import parse_responses, raw_exchange
 
 JSON = {"Content-Type": "application/json"}
 MASK = orjson.dumps({"text": "x", "return_sampling_mask": True})
@@ -138,3 +139,30 @@ async def test_handler_crash_is_a_generic_500(
     monkeypatch.undo()
     async with session.get(gw_url(gateway, "/health")) as r:
         assert r.status == 200
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 40\r\n\r\n{}",
+        b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n",
+        b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n",
+        b"G@T /health HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nHost: x\r\nX-Secret: " + b"s3cr3t" * 4000 + b"\r\n\r\n",
+        b"GET /health?" + b"q" * 40000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"GET /health HTTP/1.1\nHost: x\n\n",
+    ],
+    ids=["dup-cl", "bad-chunk", "nul-header", "bad-method", "long-header", "long-url", "bare-lf"],
+)
+async def test_protocol_errors_name_no_internals(
+    stub: StubBackend, make_gateway: GatewayFactory, request_bytes: bytes
+) -> None:
+    """aiohttp's own 400s for unparseable requests echo the offending bytes: not any more."""
+    gw = await make_gateway(stub.url)
+    raw = await raw_exchange(gw.port, request_bytes, timeout=3)
+    (resp,) = parse_responses(raw)
+    assert resp.status in (400, 431)
+    assert_no_internals(resp.body, addresses=[stub.url])
+    assert b"s3cr3t" not in resp.body and b"qqqq" not in resp.body
+    assert orjson.loads(resp.body)
+    assert stub.generation_requests() == []
