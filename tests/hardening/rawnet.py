@@ -40,6 +40,24 @@ async def raw_exchange(port: int, data: bytes, *, timeout: float = 5.0) -> bytes
             await writer.wait_closed()
 
 
+async def raw_first_response(port: int, data: bytes, *, timeout: float = 5.0) -> bytes:
+    """Send bytes and read exactly one response (head and Content-Length body), no more."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        async with asyncio.timeout(timeout):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":", 1)[1])
+            return head + await reader.readexactly(length)
+    finally:
+        writer.transport.abort()
+
+
 def parse_responses(raw: bytes) -> list[RawResponse]:
     """Every HTTP/1.1 response in a byte stream (Content-Length or chunked bodies)."""
     out: list[RawResponse] = []
@@ -77,7 +95,8 @@ def parse_responses(raw: bytes) -> list[RawResponse]:
 class FaultBackend:
     """A TCP server that answers each request according to `mode`.
 
-    Modes: ok (a valid JSON reply), garbage (not HTTP), bad_status (a broken status line),
+    Modes: ok (a valid JSON reply), hop_headers (a valid reply full of hop-by-hop headers),
+    garbage (not HTTP), bad_status (a broken status line),
     reset (reads the request, then an RST), reset_on_accept (an RST before reading), hang
     (reads, never answers), close (reads, closes without a byte), half_headers (part of a
     status line and headers, then silence), short_body (promises 1000 bytes, sends 10, closes).
@@ -151,6 +170,17 @@ class FaultBackend:
             body = b'{"text": "ok"}'
             writer.write(
                 b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            await writer.drain()
+            return True
+        if mode == "hop_headers":
+            body = b'{"ok": true}'
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                b"Connection: keep-alive, X-Hop\r\nX-Hop: 1\r\nKeep-Alive: timeout=5\r\n"
+                b"Proxy-Authenticate: Basic\r\nUpgrade: h2c\r\nTrailer: X-T\r\n"
+                b"X-End-To-End: kept\r\nX-Request-Id: backend-chosen\r\n"
                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
             )
             await writer.drain()
