@@ -59,6 +59,7 @@ class Proxy:
         self._max_body = cfg.limits.max_body_bytes
         self._body_timeout = cfg.timeouts.body_read_s
         self._attempts = cfg.backends.connect_attempts
+        self._max_conns = cfg.limits.max_connections_per_backend
         self.inflight = 0
 
     # -- entry point ---------------------------------------------------------------
@@ -228,11 +229,17 @@ class Proxy:
         )
         data = body if request.body_exists else None
         tried: list[Backend] = []
+        busy = False
         while len(tried) < self._attempts:
             backend = self._pool.pick(exclude=tried)
             if backend is None:
                 break
             tried.append(backend)
+            if backend.inflight >= self._max_conns:
+                # Its connection pool is full. Waiting for a free connection would hold the
+                # client for up to connect_s and then eject a healthy backend: answer now.
+                busy = True
+                continue
             ex.attempts = len(tried)
             ex.backend = backend.url
             backend.inflight += 1
@@ -262,7 +269,7 @@ class Proxy:
                 return await self._relay(request, upstream, ex)
             finally:
                 backend.inflight -= 1
-        return self._unavailable(ex, route.family, "no_backend")
+        return self._unavailable(ex, route.family, "backends_busy" if busy else "no_backend")
 
     def _upstream_failed(
         self, ex: Exchange, family: Family, status: int, outcome: str

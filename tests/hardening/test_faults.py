@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 
 from gateway.server import Gateway
 from gateway.stub import StubBackend
-from tests.conftest import GatewayFactory, gw_url, wait_for
+from tests.conftest import GatewayFactory, admin_url, gw_url, wait_for
 from tests.hardening.checks import assert_no_internals
 from tests.hardening.rawnet import FaultBackend
 
@@ -436,3 +437,36 @@ async def test_client_that_stops_reading_a_64mb_response_pauses_the_upstream(
     writer.transport.abort()  # the client goes away: the upstream is closed too
     await asyncio.wait_for(stub.disconnect_event.wait(), 2)
     await settle(lambda: gateway.proxy is not None and gateway.proxy.inflight == 0)
+
+
+# -- connection pool exhausted --------------------------------------------------------------------
+
+
+async def test_pool_exhaustion_is_a_quick_503_and_does_not_eject_the_backend(
+    stub: StubBackend, make_gateway: GatewayFactory, session: aiohttp.ClientSession
+) -> None:
+    gw = await make_gateway(
+        stub.url,
+        limits={"max_connections_per_backend": 2},
+        backends={"health": {"enabled": False}},
+        timeouts={"connect_s": 0.3},  # waiting for a pooled connection counts against it
+    )
+    slow = {**JSON, "X-Stub-Delay-Ms": "1500"}
+
+    async def one(headers: dict[str, str]) -> tuple[int, float, str | None]:
+        started = time.monotonic()
+        async with session.post(gw_url(gw, "/generate"), data=OK, headers=headers) as r:
+            await r.read()
+            return r.status, time.monotonic() - started, r.headers.get("Retry-After")
+
+    busy = [asyncio.create_task(one(slow)) for _ in range(2)]
+    await wait_for(lambda: len(stub.generation_requests()) == 2)
+    status, took, retry_after = await one(JSON)
+    assert status == 503 and retry_after, status
+    assert took < 0.2, f"waited {took:.2f}s for a pooled connection"
+    assert [s for s, _, _ in await asyncio.gather(*busy)] == [200, 200]
+    # Capacity is back: the backend was not ejected for being busy.
+    status, took, _ = await one(JSON)
+    assert status == 200
+    async with session.get(admin_url(gw, "/metrics")) as r:
+        assert r.status == 200
