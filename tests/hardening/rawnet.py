@@ -99,13 +99,17 @@ class FaultBackend:
     garbage (not HTTP), bad_status (a broken status line),
     reset (reads the request, then an RST), reset_on_accept (an RST before reading), hang
     (reads, never answers), close (reads, closes without a byte), half_headers (part of a
-    status line and headers, then silence), short_body (promises 1000 bytes, sends 10, closes).
+    status line and headers, then silence), short_body (promises 1000 bytes, sends 10, closes),
+    idle_close (answers like ok, but a request arriving on a connection idle for longer than
+    idle_close_s meets a reset, as if it crossed the backend's close in flight).
     """
 
     mode: str = "ok"
+    idle_close_s: float = 5.0  # mode "idle_close": uvicorn's timeout_keep_alive
     requests: int = 0
     connections: int = 0
     received: list[bytes] = field(default_factory=list)
+    lost: int = 0  # mode "idle_close": requests that arrived on a connection closed as idle
     _server: asyncio.Server | None = None
     _writers: set[asyncio.StreamWriter] = field(default_factory=set)
 
@@ -153,9 +157,19 @@ class FaultBackend:
             if self.mode == "reset_on_accept":
                 self._rst(writer)
                 return
+            loop = asyncio.get_running_loop()
+            last = loop.time()
             while await self._read_request(reader) is not None:
+                if self.mode == "idle_close" and loop.time() - last > self.idle_close_s:
+                    # The worst case of the keep-alive race: the server closed this idle
+                    # connection just before the request arrived, and the client had not yet
+                    # seen the FIN. The request is lost and the connection reset.
+                    self.lost += 1
+                    self._rst(writer)
+                    return
                 if not await self._answer(writer):
                     return
+                last = loop.time()
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
@@ -166,7 +180,7 @@ class FaultBackend:
     async def _answer(self, writer: asyncio.StreamWriter) -> bool:
         """Answer one request; False when the connection is finished."""
         mode = self.mode
-        if mode == "ok":
+        if mode in ("ok", "idle_close"):
             body = b'{"text": "ok"}'
             writer.write(
                 b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
