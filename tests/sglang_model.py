@@ -42,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, PlainValidator, TypeAdapter, Validat
 
 TOP_K_ALL = 1 << 30
 SAMPLING_EPS = 1e-6
+_MAX_MODELLED_N = 1 << 16  # beyond this, SGLang's own list building exhausts memory
 
 # SamplingParams' fields (msgspec Struct kwargs): any other key in sampling_params raises.
 SAMPLING_FIELDS = frozenset(
@@ -432,6 +433,11 @@ def _normalise(g: _Gen) -> tuple[bool, Any, Any, int]:
                 g.input_ids = [g.input_ids]
             if g.input_embeds is not None:
                 g.input_embeds = [g.input_embeds]
+
+    if isinstance(n, int) and n > _MAX_MODELLED_N:
+        # SGLang builds lists of batch_size * n entries here ([{}] * num, text * n): with a
+        # huge n the tokenizer manager runs out of memory. Nothing is generated.
+        raise MemoryError(f"n = {n}: lists of {n} items")
 
     if single:
         params = {} if sp is None else sp

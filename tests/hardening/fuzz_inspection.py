@@ -38,7 +38,15 @@ else:
     from gateway.routes import Kind
 
 from tests import sglang_model as sglang  # noqa: E402 - after the instrumented imports
-from tests.hardening.bodies import Obj, Raw, Style, dump  # noqa: E402
+from tests.hardening.bodies import (  # noqa: E402
+    MASK_VALUES,
+    TEMPERATURES,
+    TOP_K_VALUES,
+    Obj,
+    Raw,
+    Style,
+    dump,
+)
 
 POLICY = MaskPolicy()
 KINDS = [Kind.GENERATE, Kind.VERTEX, Kind.CHAT, Kind.COMPLETIONS, Kind.RESPONSES]
@@ -79,8 +87,45 @@ INTS = [0, 1, -1, 2, 5, 40, -2, 4096, (1 << 30) - 1, 1 << 30, (1 << 30) + 1, 1 <
 INTS += [(1 << 63) - 1, -(1 << 63)]
 RAWS = [b"18446744073709551616", b"1e300", b"-0.0", b"1073741824.0", b"1e-7", b"0.0", b"5.5"]
 
+# Typed pools per field: most values are ones the field is meant to hold, in every spelling.
+POOLS: dict[str, list[Any]] = {
+    "return_sampling_mask": [*MASK_VALUES, [False], [True, False], ["no"], [0, "yes"], []],
+    "top_k": TOP_K_VALUES,
+    "temperature": TEMPERATURES,
+    "top_p": [0.5, 0.9, 1.0, None],
+    "n": [1, 2, 3, 2.0, True, 0, "2", None],
+    "is_normalized": [True, False, 1, "yes"],
+    "beam_width": [None, 1, 2],
+    "max_new_tokens": [1, 8],
+    "stream": [True, False, "yes", "off", None],
+    "return_meta_info": [True, False, "yes", 1, "no", None],
+    "text": ["Hi", "a b", "", ["a", "b"], ["a"], [], [""]],
+    "prompt": ["Hi", ["a", "b"]],
+    "input": ["Hi"],
+    "input_ids": [[1, 2], [[1], [2]], [[1, 2]], [], [[]], [1]],
+    "input_embeds": [[[0.1, 0.2]], [[[0.1]], [[0.2]]], [0.1], [[1, 2]], [[[1]]]],
+    "messages": [[{"role": "user", "content": "Hi"}], []],
+    "rid": ["r", ["r1", "r2"]],
+    "image_data": [None],
+}
+GENERATE_KEYS = ["text", "input_ids", "input_embeds", "sampling_params", "return_sampling_mask"]
+GENERATE_KEYS += ["stream", "rid", "top_k"]
+PARAM_KEYS = ["top_k", "temperature", "top_p", "n", "is_normalized", "max_new_tokens"]
+PARAM_KEYS += ["beam_width"]
+KIND_KEYS = {
+    Kind.GENERATE: GENERATE_KEYS,
+    Kind.VERTEX: ["instances", "parameters"],
+    Kind.CHAT: [
+        *["messages", "top_k", "temperature", "top_p", "n", "return_sampling_mask"],
+        *["return_meta_info", "stream", "sampling_params", "extra_body"],
+    ],
+    Kind.COMPLETIONS: ["prompt", "top_k", "temperature", "return_sampling_mask"],
+    Kind.RESPONSES: ["input", "top_k", "temperature", "return_sampling_mask"],
+}
+
 
 def _value(fdp: Any, depth: int) -> Any:
+    """Any JSON value (a random one, for keys outside their pools)."""
     choice = fdp.ConsumeIntInRange(0, 11 if depth < 4 else 7)
     if choice == 0:
         return None
@@ -100,14 +145,37 @@ def _value(fdp: Any, depth: int) -> Any:
         return fdp.ConsumeUnicodeNoSurrogates(fdp.ConsumeIntInRange(0, 6))
     if choice in (8, 9):
         return [_value(fdp, depth + 1) for _ in range(fdp.ConsumeIntInRange(0, 4))]
-    return _object(fdp, depth + 1)
+    return _object(fdp, TOP_KEYS, depth + 1)
 
 
-def _object(fdp: Any, depth: int) -> Obj:
+def _field(fdp: Any, key: str, depth: int) -> Any:
+    if fdp.ConsumeIntInRange(0, 9) == 0 or depth > 3:
+        return _value(fdp, depth)  # off-type, on purpose
+    if key in ("sampling_params", "extra_body"):
+        if fdp.ConsumeIntInRange(0, 3) == 0:
+            return [_object(fdp, PARAM_KEYS, depth + 1) for _ in range(fdp.ConsumeIntInRange(0, 3))]
+        return _object(fdp, PARAM_KEYS, depth + 1)
+    if key == "parameters":
+        return _object(fdp, GENERATE_KEYS, depth + 1)
+    if key == "instances":
+        return [
+            _object(fdp, ["text", "input_ids", "input_embeds"], depth + 1)
+            for _ in range(fdp.ConsumeIntInRange(0, 3))
+        ]
+    pool = POOLS.get(key)
+    if pool is None:
+        return _value(fdp, depth)
+    return pool[fdp.ConsumeIntInRange(0, len(pool) - 1)]
+
+
+def _object(fdp: Any, keys: list[str], depth: int) -> Obj:
     pairs = []
-    for _ in range(fdp.ConsumeIntInRange(0, 7)):
+    for key in keys:
+        repeat = fdp.ConsumeIntInRange(0, 2) if fdp.ConsumeBool() else 0
+        pairs.extend((key, _field(fdp, key, depth)) for _ in range(repeat))  # the last one wins
+    if fdp.ConsumeIntInRange(0, 7) == 0:
         key = TOP_KEYS[fdp.ConsumeIntInRange(0, len(TOP_KEYS) - 1)]
-        pairs.append((key, _value(fdp, depth)))  # keys may repeat: the last one wins
+        pairs.insert(fdp.ConsumeIntInRange(0, len(pairs)), (key, _field(fdp, key, depth)))
     return Obj(tuple(pairs))
 
 
@@ -139,8 +207,8 @@ def one_input(data: bytes) -> None:
         )
         check(kind, fdp.ConsumeBytes(fdp.remaining_bytes()))
         return
-    style = Style(escape_keys=fdp.ConsumeBool(), spaced=fdp.ConsumeBool())
-    body = _dump(_object(fdp, 0), style)
+    style = Style(escape_keys=fdp.ConsumeIntInRange(0, 3) == 0, spaced=fdp.ConsumeBool())
+    body = _dump(_object(fdp, KIND_KEYS[kind], 0), style)
     if mode == 3 and body:
         # A byte-level mutation of a well-formed body.
         at = fdp.ConsumeIntInRange(0, len(body) - 1)
