@@ -181,7 +181,7 @@ async def test_forwarded_bytes_equal_sent_bytes(
         status, headers, _ = await post(session, gateway, "/generate", body)
         assert status == 200, body
         assert headers["X-Stub-Body-Sha256"] == hashlib.sha256(body).hexdigest()
-        got = stub.received[-1]
+        got = stub.generation_requests()[-1]  # not a health probe that landed since
         assert got.body == body
         assert got.headers["Content-Length"] == str(len(body))
         assert "Transfer-Encoding" not in got.headers
@@ -198,7 +198,7 @@ async def test_chunked_request_body_forwarded_with_fresh_length(
 
     async with session.post(gw_url(gateway, "/generate"), data=gen(), headers=JSON) as r:
         assert r.status == 200
-    got = stub.received[-1]
+    got = stub.generation_requests()[-1]
     assert got.body == b"".join(parts)
     assert got.headers["Content-Length"] == str(len(got.body))
     assert "Transfer-Encoding" not in got.headers
@@ -226,7 +226,7 @@ async def test_headers_hop_by_hop_dropped_and_forwarding_added(
     async with session.get(gw_url(gateway, "/model_info"), headers=headers) as r:
         assert r.status == 200
         assert r.headers["X-Request-Id"] == "client-chosen-id-1"
-    got = stub.received[-1].headers
+    got = [r for r in stub.received if r.path == "/model_info"][-1].headers
     for name in ("X-Secret-Hop", "Keep-Alive", "TE", "Trailer", "Upgrade", "Proxy-Authorization"):
         assert name not in got, name
     assert got["X-Forwarded-For"] == "127.0.0.1"
@@ -244,7 +244,8 @@ async def test_request_id_created_when_missing_or_unsafe(
         rid = r.headers["X-Request-Id"]
     assert rid != "bad id\t"
     assert len(rid) == 32
-    assert stub.received[-1].headers["X-Request-Id"] == rid
+    proxied = [r for r in stub.received if "X-Forwarded-For" in r.headers]  # not a probe
+    assert proxied[-1].headers["X-Request-Id"] == rid
 
 
 async def test_trusted_proxy_chain_is_extended(
@@ -254,7 +255,7 @@ async def test_trusted_proxy_chain_is_extended(
     hdrs = {"X-Forwarded-For": "203.0.113.7", "X-Forwarded-Proto": "https"}
     async with session.get(gw_url(gw, "/v1/models"), headers=hdrs) as r:
         assert r.status == 200
-    got = stub.received[-1].headers
+    got = [r for r in stub.received if r.path == "/v1/models"][-1].headers
     assert got["X-Forwarded-For"] == "203.0.113.7, 127.0.0.1"
     assert got["X-Forwarded-Proto"] == "https"
 
@@ -292,7 +293,7 @@ async def test_abort_and_flush_pass_through(
     body = b'{"rid": "abc", "abort_all": false}'
     status, _, _ = await post(session, gateway, "/abort_request", body)
     assert status == 200
-    assert stub.received[-1].body == body
+    assert [r for r in stub.received if r.path == "/abort_request"][-1].body == body
     async with session.post(gw_url(gateway, "/flush_cache")) as r:
         assert r.status == 200
 
@@ -507,7 +508,7 @@ async def test_log_only_mode_forwards_and_counts(
     # The stub applies SGLang's own check, so the request reached it and it refused.
     assert status == 400
     assert len(stub.generation_requests()) == 1
-    assert stub.received[-1].body == body
+    assert stub.generation_requests()[-1].body == body
 
 
 async def test_rejection_counted_in_metrics(
