@@ -28,10 +28,13 @@ except ImportError:  # the hypothesis fallback needs no atheris
     atheris = None
 
 if atheris is not None:
-    with atheris.instrument_imports(include=["gateway"]):
+    # The model is instrumented too: reaching its deeper states (items that run with the
+    # mask on) counts as new coverage, which steers the fuzzer there.
+    with atheris.instrument_imports(include=["gateway", "tests.sglang_model"]):
         from gateway.inspection import check_headers, inspect_body
         from gateway.policy import MaskPolicy
         from gateway.routes import Kind
+        from tests import sglang_model  # noqa: F401
 else:
     from gateway.inspection import check_headers, inspect_body
     from gateway.policy import MaskPolicy
@@ -99,7 +102,7 @@ POOLS: dict[str, list[Any]] = {
     "max_new_tokens": [1, 8],
     "stream": [True, False, "yes", "off", None],
     "return_meta_info": [True, False, "yes", 1, "no", None],
-    "text": ["Hi", "a b", "", ["a", "b"], ["a"], [], [""]],
+    "text": ["Hi", "a b", "Hi", ["a", "b"], ["a"], ["a", "b", "c"], [], "", [""]],
     "prompt": ["Hi", ["a", "b"]],
     "input": ["Hi"],
     "input_ids": [[1, 2], [[1], [2]], [[1, 2]], [], [[]], [1]],
@@ -149,7 +152,7 @@ def _value(fdp: Any, depth: int) -> Any:
 
 
 def _field(fdp: Any, key: str, depth: int) -> Any:
-    if fdp.ConsumeIntInRange(0, 9) == 0 or depth > 3:
+    if fdp.ConsumeIntInRange(0, 15) == 0 or depth > 3:
         return _value(fdp, depth)  # off-type, on purpose
     if key in ("sampling_params", "extra_body"):
         if fdp.ConsumeIntInRange(0, 3) == 0:
@@ -168,12 +171,20 @@ def _field(fdp: Any, key: str, depth: int) -> Any:
     return pool[fdp.ConsumeIntInRange(0, len(pool) - 1)]
 
 
+# Keys present in most inputs, so that most bodies get deep into both readings.
+CORE = frozenset(
+    {"text", "sampling_params", "return_sampling_mask", "top_k", "messages", "instances"}
+    | {"parameters", "return_meta_info", "prompt", "input"}
+)
+
+
 def _object(fdp: Any, keys: list[str], depth: int) -> Obj:
     pairs = []
     for key in keys:
-        repeat = fdp.ConsumeIntInRange(0, 2) if fdp.ConsumeBool() else 0
+        present = fdp.ConsumeIntInRange(0, 9) < (8 if key in CORE else 3)
+        repeat = (2 if fdp.ConsumeIntInRange(0, 7) == 0 else 1) if present else 0
         pairs.extend((key, _field(fdp, key, depth)) for _ in range(repeat))  # the last one wins
-    if fdp.ConsumeIntInRange(0, 7) == 0:
+    if fdp.ConsumeIntInRange(0, 15) == 0:
         key = TOP_KEYS[fdp.ConsumeIntInRange(0, len(TOP_KEYS) - 1)]
         pairs.insert(fdp.ConsumeIntInRange(0, len(pairs)), (key, _field(fdp, key, depth)))
     return Obj(tuple(pairs))
