@@ -67,8 +67,14 @@ def parse_object(body: bytes) -> dict[str, object] | Rejection:
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
+        # Where, in plain words; the parser's own message goes to the log only.
         return Rejection(
-            400, "request_body", "invalid_json", f"Invalid JSON body: {exc}", validation=True
+            400,
+            "request_body",
+            "invalid_json",
+            f"Invalid JSON body (line {exc.lineno}, column {exc.colno}).",
+            validation=True,
+            detail=exc.msg,
         )
     if not isinstance(obj, dict):
         return Rejection(

@@ -49,6 +49,8 @@ class Rejection:
     # SGLang answers body-validation failures in the OpenAI shape on every route, and
     # rule failures in the route's own shape; True selects the former.
     validation: bool = False
+    # For the log only (under the request id), never sent: e.g. the JSON parser's own words.
+    detail: str = ""
 
 
 def _invalid(exc: Invalid) -> Rejection:
@@ -99,8 +101,15 @@ class MaskPolicy:
 
     # -- /generate -------------------------------------------------------------------
 
-    def _check_generate(self, body: Mapping[str, Any], batch_size: int | None) -> Rejection | None:
-        """batch_size None: a single request; else the number of batch items."""
+    def _check_generate(
+        self, body: Mapping[str, Any], batch_size: int | None, *, raw: bool = False
+    ) -> Rejection | None:
+        """batch_size None: a single request; else the number of batch items.
+
+        raw: the fields never went through pydantic (/vertex_generate), so SGLang reads the
+        mask with plain Python truthiness rather than pydantic's lax booleans.
+        """
+        read_flag = _truthy if raw else lax_bool
         raw_mask = body.get("return_sampling_mask")
         params = body.get("sampling_params")
         if params is not None and not isinstance(params, dict | list):
@@ -112,14 +121,14 @@ class MaskPolicy:
 
         flags: list[bool]
         if isinstance(raw_mask, list):
-            values = [lax_bool(v, f"return_sampling_mask[{i}]") for i, v in enumerate(raw_mask)]
+            values = [read_flag(v, f"return_sampling_mask[{i}]") for i, v in enumerate(raw_mask)]
             if any(_parallel(p) for p in param_list):
                 return Rejection(400, "sampling_mask", "parallel_mask_list", PARALLEL_LIST_MESSAGE)
             # On a single request any non-empty list is truthy in SGLang, even [false].
             flags = [bool(values)] if batch_size is None else [bool(v) for v in values]
             broadcast = batch_size is None
         else:
-            flags = [bool(lax_bool(raw_mask, "return_sampling_mask"))]
+            flags = [bool(read_flag(raw_mask, "return_sampling_mask"))]
             broadcast = True
 
         if broadcast and not isinstance(params, list):
@@ -140,17 +149,28 @@ class MaskPolicy:
         return None
 
     def _check_vertex(self, body: Mapping[str, Any]) -> Rejection | None:
-        # SGLang builds GenerateReqInput(**parameters) with the instances' inputs as a list,
-        # so the parameters are read as a /generate body of len(instances) items.
+        # SGLang calls GenerateReqInput(**inputs, **parameters) itself, where inputs is the
+        # first of text/input_ids/input_embeds that instances[0] has, as a list over the
+        # instances. No pydantic runs on that call: values keep their JSON types.
         instances = body.get("instances")
         if not isinstance(instances, list):
             raise Invalid("instances", "Input should be a valid list")
+        if not all(isinstance(instance, dict) for instance in instances):
+            raise Invalid("instances", "Input should be a list of objects")
         parameters = body.get("parameters")
         if parameters is None:
             return None
         if not isinstance(parameters, dict):
             raise Invalid("parameters", "Input should be a valid dictionary")
-        return self._check_generate(parameters, batch_size=max(len(instances), 1))
+        fields = dict(parameters)
+        for key in ("text", "input_ids", "input_embeds"):
+            if instances and instances[0].get(key):
+                fields.setdefault(key, [instance.get(key) for instance in instances])
+                break
+        size = _batch_size(fields, raw=True)
+        if size is None and not any(k in fields for k in ("text", "input_ids", "input_embeds")):
+            size = max(len(instances), 1)  # no input at all: SGLang fails; check every pairing
+        return self._check_generate(fields, batch_size=size, raw=True)
 
     # -- OpenAI-compatible routes ------------------------------------------------------
 
@@ -173,8 +193,9 @@ class MaskPolicy:
     def _check_item(
         self, params: Mapping[str, Any], *, mask_on: bool, generate: bool
     ) -> Rejection | None:
-        if is_greedy(params.get("temperature")):
-            # SGLang forces top_k = 1 for greedy items whatever top_k says.
+        if is_greedy(params.get("temperature")) and not (generate and params.get("is_normalized")):
+            # SGLang forces top_k = 1 for greedy items whatever top_k says, unless the
+            # sampling_params carry a truthy `is_normalized`, which skips that step.
             return None
         if "top_k" in params:
             raw = params["top_k"]
@@ -199,15 +220,34 @@ def _parallel(params: object) -> bool:
     return isinstance(n, int | float) and not isinstance(n, bool) and n > 1
 
 
-def _batch_size(body: Mapping[str, Any]) -> int | None:
-    """Items in a /generate batch, or None for a single request (sglang-contract.md s.4)."""
+def _truthy(value: object, field: str) -> bool:
+    """How SGLang's scheduler reads a flag that pydantic never validated."""
+    return bool(value)
+
+
+def _batch_size(body: Mapping[str, Any], *, raw: bool = False) -> int | None:
+    """Items in a /generate batch, or None for a single request (sglang-contract.md s.4).
+
+    Like SGLang's `_determine_batch_size`, the first of text, input_ids, input_embeds that is
+    not null decides alone: a batch-shaped input_embeds next to a string text is a single
+    request, on which a list mask such as [false] is truthy. raw: no pydantic coercion ran
+    (/vertex_generate), so SGLang's `isinstance(input_embeds[0][0], float)` is taken literally.
+    """
     text = body.get("text")
-    if isinstance(text, list):
-        return len(text)
-    for key in ("input_ids", "input_embeds"):
-        value = body.get(key)
-        if isinstance(value, list) and value and isinstance(value[0], list):
-            if key == "input_embeds" and not (value[0] and isinstance(value[0][0], list)):
-                continue  # one sequence of embedding vectors is a single request
-            return len(value)
-    return None
+    if text is not None:
+        return len(text) if isinstance(text, list) else None
+    value = body.get("input_ids")
+    if value is not None:
+        return len(value) if isinstance(value, list) and value and _is_list(value[0]) else None
+    embeds = body.get("input_embeds")
+    first = embeds[0] if isinstance(embeds, list) and embeds else None
+    if isinstance(embeds, list) and isinstance(first, list) and first:
+        if raw and not isinstance(first[0], float):
+            return len(embeds)
+        if _is_list(first[0]):
+            return len(embeds)
+    return None  # one sequence of embedding vectors is a single request
+
+
+def _is_list(value: object) -> bool:
+    return isinstance(value, list)

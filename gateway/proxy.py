@@ -166,6 +166,20 @@ class Proxy:
             ex.outcome = "client_disconnect"
             ex.status = ex.status or 499
             raise
+        except ConnectionError:
+            ex.outcome = "client_disconnect"  # the client's socket broke under a write
+            ex.status = ex.status or 499
+            raise
+        except Exception as exc:
+            # A bug in the gateway, not a client or backend failure. The traceback goes to the
+            # log under the request id; the client gets the route's shape and nothing else.
+            log.exception("request %s failed inside the gateway", rid)
+            ex.detail = type(exc).__name__
+            if request.writer.output_size > 0:
+                raise  # a reply is already under way: aiohttp drops the connection
+            family = route.family if route is not None else Family.PLAIN
+            body = errors.render(family, 500, "The gateway failed to handle the request.")
+            return self._reply(ex, 500, body, "gateway_error", close=True)
         finally:
             self.inflight -= 1
             ex.finished = time.perf_counter()
@@ -307,6 +321,8 @@ class Proxy:
     ) -> web.Response:
         body = errors.render_rejection(family, rejection)
         ex.reason = rejection.reason
+        if rejection.detail:
+            ex.detail = rejection.detail
         return self._reply(ex, rejection.status, body, f"rejected:{rejection.policy}", close=close)
 
     def _unavailable(self, ex: Exchange, family: Family, outcome: str) -> web.Response:

@@ -12,13 +12,16 @@ import asyncio
 import contextlib
 import logging
 import signal
+from http import HTTPStatus
 from pathlib import Path
 from typing import Final
 
 import aiohttp
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from gateway import config as config_mod
+from gateway import errors
 from gateway.admin import make_admin_app
 from gateway.backends import BackendPool
 from gateway.config import ConfigError, GatewayConfig
@@ -27,6 +30,7 @@ from gateway.fleet import Fleet
 from gateway.metrics import FleetCollector, Metrics
 from gateway.observe import AccessLog, Observer
 from gateway.proxy import Proxy, ProxySettings
+from gateway.routes import Family
 from gateway.workers import report_ready
 
 log = logging.getLogger("gateway.server")
@@ -46,6 +50,37 @@ def _bound_port(runner: web.BaseRunner) -> int:
         if isinstance(addr, tuple):
             return int(addr[1])
     raise RuntimeError("listener has no TCP address")
+
+
+class _RequestHandler(RequestHandler):
+    """aiohttp's connection protocol, with error replies that name no internals.
+
+    aiohttp answers a request it cannot parse with the parser's message, which echoes the
+    offending bytes, and a crash in debug mode with a traceback. aiohttp still logs that
+    detail; the client gets a fixed JSON body.
+    """
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        super().handle_error(request, status, exc, None)  # logs; raises if a reply is under way
+        try:
+            phrase = HTTPStatus(status).phrase
+        except ValueError:
+            phrase = "Error"
+        body = errors.render(Family.PLAIN, status, phrase)
+        resp = web.Response(status=status, body=body, content_type="application/json")
+        resp.force_close()
+        return resp
+
+
+class _Server(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _RequestHandler(self, loop=self._loop, **self._kwargs)
 
 
 def make_session(cfg: GatewayConfig) -> aiohttp.ClientSession:
@@ -133,7 +168,7 @@ class Gateway:
             ProxySettings.from_config(cfg), self._session, self.fleet.pool, observers
         )
 
-        server = web.Server(
+        server = _Server(
             self.proxy.handle,
             # A client that goes away cancels its handler, which closes the upstream request.
             handler_cancellation=True,
