@@ -1,0 +1,242 @@
+# ruff: noqa: E501 - the anchors are verbatim source lines
+"""Remove one protection at a time and check that the hardening tests notice (run by hand).
+
+    .venv/bin/python -m tests.hardening.mutations [INDEX ...]
+
+Each mutation edits a temporary copy of gateway/ and tests/ (never the working tree), runs
+the tests named for it, and must make them fail. A mutation whose anchor text is no longer
+in the source is reported as "anchor moved" rather than silently skipped. Results of this
+session are in docs/hardening.md, section 6.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "-m", "not slow"]
+
+# (name, file, text to find, replacement, tests that must fail)
+MUTATIONS = [
+    (
+        "vertex read with pydantic lax booleans (pre-fix)",
+        "gateway/policy.py",
+        "read_flag = _truthy if raw else lax_bool",
+        "read_flag = lax_bool",
+        [
+            "tests/hardening/test_differential.py",
+            "tests/hardening/test_corpus.py",
+            "tests/hardening/test_policy_bypasses.py",
+        ],
+    ),
+    (
+        "lax bool forgets 'yes'/'on'",
+        "gateway/lax.py",
+        '_TRUE_STRINGS: Final = frozenset({"true", "t", "y", "yes", "on", "1"})',
+        '_TRUE_STRINGS: Final = frozenset({"true", "t", "y", "1"})',
+        ["tests/hardening/test_differential.py", "tests/hardening/test_corpus.py"],
+    ),
+    (
+        "top_k above TOP_K_ALL counted finite",
+        "gateway/policy.py",
+        "return k is None or k == -1 or k >= TOP_K_ALL",
+        "return k is None or k == -1 or k == TOP_K_ALL",
+        ["tests/hardening/test_differential.py", "tests/hardening/test_corpus.py"],
+    ),
+    (
+        "greedy shortcut removed (over-refusal)",
+        "gateway/policy.py",
+        'if is_greedy(params.get("temperature")) and not',
+        'if False and is_greedy(params.get("temperature")) and not',
+        ["tests/hardening/test_differential.py", "tests/hardening/test_corpus.py"],
+    ),
+    (
+        "single-request list mask read per item",
+        "gateway/policy.py",
+        "flags = [bool(values)] if batch_size is None else [bool(v) for v in values]",
+        "flags = [bool(v) for v in values] or [False]",
+        ["tests/hardening/test_differential.py", "tests/hardening/test_corpus.py"],
+    ),
+    (
+        "Connection-named headers forwarded",
+        "gateway/headers.py",
+        "drop = _REQUEST_DROP | _connection_tokens(items)\n        out = [(k, v) for k, v in items if k.lower() not in drop]\n        forwarded_for",
+        "drop = _REQUEST_DROP\n        out = [(k, v) for k, v in items if k.lower() not in drop]\n        forwarded_for",
+        [
+            "tests/hardening/test_bad_inputs.py::test_hop_by_hop_and_forwarding_headers_on_a_generation_request"
+        ],
+    ),
+    (
+        "Content-Encoding accepted",
+        "gateway/inspection.py",
+        'if content_encoding is not None and content_encoding.strip().lower() not in ("", "identity"):',
+        "if False:",
+        [
+            "tests/hardening/test_bad_inputs.py::test_encodings_and_media_types_are_415",
+            "tests/hardening/test_corpus.py",
+        ],
+    ),
+    (
+        "body size cap removed",
+        "gateway/proxy.py",
+        "if length is not None and length > self._max_body:",
+        "if False:",
+        [
+            "tests/hardening/test_bad_inputs.py::test_declared_length_over_the_cap_is_413_before_the_body"
+        ],
+    ),
+    (
+        "chunked size cap removed",
+        "gateway/proxy.py",
+        "if size > self._max_body:\n                        raise _TooLarge",
+        "if False:\n                        raise _TooLarge",
+        [
+            "tests/hardening/test_bad_inputs.py::test_chunked_body_growing_over_the_cap_is_413_mid_read_with_bounded_memory"
+        ],
+    ),
+    (
+        "body read deadline removed",
+        "gateway/proxy.py",
+        "async with asyncio.timeout(self._body_timeout):",
+        "async with asyncio.timeout(None):",
+        ["tests/hardening/test_faults.py::test_slow_body_is_408_at_the_deadline"],
+    ),
+    (
+        "handler cancellation off",
+        "gateway/server.py",
+        "handler_cancellation=True,",
+        "handler_cancellation=False,",
+        [
+            "tests/hardening/test_faults.py::test_client_disconnect_closes_upstream_and_leaks_nothing"
+        ],
+    ),
+    (
+        "no backpressure: response buffered",
+        "gateway/proxy.py",
+        "                    await resp.write(chunk)\n",
+        "                    resp._payload_writer.buffer_size = 0; resp._payload_writer._write(chunk) if False else resp._payload_writer.transport.write(chunk)\n",
+        [
+            "tests/hardening/test_faults.py::test_client_that_stops_reading_a_64mb_response_pauses_the_upstream"
+        ],
+    ),
+    (
+        "replay after send (retry on any ClientError)",
+        "gateway/proxy.py",
+        "except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:",
+        "except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError, aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:",
+        [
+            "tests/hardening/test_faults.py::test_reset_after_send_is_never_replayed_even_with_spare_backends"
+        ],
+    ),
+    (
+        "upstream truncation not made visible",
+        "gateway/proxy.py",
+        "                    if request.transport is not None:\n                        request.transport.abort()\n                    return resp",
+        "                    await resp.write_eof()\n                    return resp",
+        [
+            "tests/hardening/test_faults.py::test_backend_process_dying_mid_stream_breaks_the_transfer",
+            "tests/hardening/test_faults.py::test_backend_short_body_is_a_broken_transfer",
+        ],
+    ),
+    (
+        "upstream keep-alive longer than the backend's",
+        "gateway/server.py",
+        "keepalive_timeout=t.upstream_keepalive_s,",
+        "keepalive_timeout=t.upstream_keepalive_s * 10,",
+        ["tests/hardening/test_faults.py::test_keepalive_race_worst_case_never_reaches_a_client"],
+    ),
+    (
+        "pool-exhaustion fast path removed",
+        "gateway/proxy.py",
+        "if backend.inflight >= self._max_conns:",
+        "if False:",
+        [
+            "tests/hardening/test_faults.py::test_pool_exhaustion_is_a_quick_503_and_does_not_eject_the_backend"
+        ],
+    ),
+    (
+        "parse-error handler reverted",
+        "gateway/server.py",
+        "        server = _Server(",
+        "        server = web.Server(",
+        ["tests/hardening/test_errors.py"],
+    ),
+    (
+        "upstream not closed when the client goes away",
+        "gateway/proxy.py",
+        "                upstream.close()",
+        "                pass",
+        [
+            "tests/hardening/test_faults.py::test_client_disconnect_closes_upstream_and_leaks_nothing"
+        ],
+    ),
+    (
+        "a task leaked per request",
+        "gateway/proxy.py",
+        "        self.inflight += 1\n",
+        "        self.inflight += 1\n        asyncio.get_running_loop().create_task(asyncio.sleep(3600))\n",
+        ["tests/hardening/test_load.py::test_no_leaks_over_five_rounds"],
+    ),
+    (
+        "a descriptor leaked per request",
+        "gateway/proxy.py",
+        "        self.inflight += 1\n",
+        "        self.inflight += 1\n        self._leak = getattr(self, '_leak', []) + [open('/dev/null')]\n",
+        ["tests/hardening/test_load.py::test_no_leaks_over_five_rounds"],
+    ),
+    (
+        "X-Request-Id not echoed on relayed replies",
+        "gateway/headers.py",
+        "        out.append((REQUEST_ID, request_id))\n        return out\n\n    @staticmethod",
+        "        return out\n\n    @staticmethod",
+        ["tests/hardening/test_load.py::test_exactly_once_accounting"],
+    ),
+]
+
+
+def main(argv: list[str]) -> int:
+    only = set(argv)
+    survived = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp)
+        for part in ("gateway", "tests", "pyproject.toml"):
+            src = ROOT / part
+            if src.is_dir():
+                shutil.copytree(src, copy / part, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy(src, copy / part)
+        for i, (name, path, old, new, tests) in enumerate(MUTATIONS):
+            if only and str(i) not in only:
+                continue
+            target = copy / path
+            original = target.read_text()
+            if old not in original:
+                print(f"[{i}] {name}: anchor moved, not run")
+                continue
+            target.write_text(original.replace(old, new, 1))
+            try:
+                run = subprocess.run(
+                    [*PYTEST, *tests],
+                    cwd=copy,
+                    capture_output=True,
+                    text=True,
+                    timeout=600,
+                    check=False,
+                )
+            finally:
+                target.write_text(original)
+            failed = [ln for ln in run.stdout.splitlines() if ln.startswith("FAILED")]
+            verdict = "caught" if run.returncode != 0 else "SURVIVED"
+            survived += run.returncode == 0
+            print(f"[{i}] {name}: {verdict}")
+            for line in failed[:2]:
+                print(f"      {line[:160]}")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
