@@ -333,6 +333,11 @@ def run_throughput(run: Run, w: Workload, targets: dict[str, Target]) -> Json:
             log(f"   {name}: {rec['status']}")
             continue
         active.append(t)
+    sizes = {t.name: entry["targets"][t.name]["check"].get("response_bytes") for t in active}
+    if "direct" in sizes:
+        for name, size in sizes.items():
+            if size != sizes["direct"]:
+                run.note(f"{w.name}: {name} answered {size} bytes, direct {sizes['direct']}")
     if not run.args.smoke:
         for t in active:  # warm-up: pools, caches, JIT-free but allocator-warm
             measure(run, w, t, 1)

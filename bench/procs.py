@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -149,6 +150,9 @@ def router_version() -> str | None:
 
 
 def gateway_argv() -> list[str]:
+    """How to start the gateway: $BENCH_GATEWAY_CMD (e.g. another checkout's), else this one."""
+    if os.environ.get("BENCH_GATEWAY_CMD"):
+        return shlex.split(os.environ["BENCH_GATEWAY_CMD"])
     exe = Path(sys.executable).parent / "sglang-gateway"
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "gateway"]
 
