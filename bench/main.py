@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -267,9 +268,9 @@ def _quiet(run: Run) -> float:
     return waited
 
 
-def _measure_once(run: Run, w: Workload, t: Target, duration: int) -> Json:
+def _measure_once(run: Run, w: Workload, t: Target, duration: int, *, quiet: bool = True) -> Json:
     argv, env = _load_argv(run, w, t.port, duration)
-    waited = _quiet(run)
+    waited = _quiet(run) if quiet else 0.0
     pids = t.pids()
     probe = common.Interference([os.getpid()])  # our tree: upstream, proxies, wrk
     cpu0 = common.cpu_seconds(pids)
@@ -339,8 +340,8 @@ def run_throughput(run: Run, w: Workload, targets: dict[str, Target]) -> Json:
             if size != sizes["direct"]:
                 run.note(f"{w.name}: {name} answered {size} bytes, direct {sizes['direct']}")
     if not run.args.smoke:
-        for t in active:  # warm-up: pools, caches, JIT-free but allocator-warm
-            measure(run, w, t, 1)
+        for t in active:  # warm-up: connection pools, allocator; not waited on, not kept
+            _measure_once(run, w, t, 1, quiet=False)
     runs: dict[str, list[Json]] = {t.name: [] for t in active}
     for r in range(run.rounds):
         shift = r % max(1, len(active))
@@ -504,7 +505,7 @@ def run_profile(run: Run, selected: list[Workload], results: Json) -> None:
                 continue
             for w in group:
                 log(f"== profile {w.name}")
-                measure(run, w, t, 1)  # warm-up
+                _measure_once(run, w, t, 1, quiet=False)  # warm-up
                 raw = out_dir / f"profile-{w.name}.txt"
                 spy_argv = [spy, "record", "--pid", str(t.pids()[0]), "--duration"]
                 spy_argv += [str(run.duration), "--rate", "250", "--format", "raw"]
@@ -560,7 +561,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--quiet-wait",
         type=float,
         help="before each run, wait up to this many seconds for other processes on the "
-        "machine to go quiet (full 15, smoke 0)",
+        "machine to go quiet (full 5, smoke 0)",
     )
     p.add_argument(
         "--quiet", type=float, default=0.15, help="'quiet': others use < this many cores"
@@ -594,7 +595,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "sse_slow_s": 2.0 if smoke else 12.0,
         "big_mb": 16 if smoke else 64,
         "slow_rate_mb": 32.0 if smoke else 8.0,
-        "quiet_wait": 0.0 if smoke else 15.0,
+        "quiet_wait": 0.0 if smoke else 5.0,
         "retry_noisy": not smoke,
     }
     for key, value in defaults.items():
@@ -633,7 +634,15 @@ def _git_rev() -> str:
     return "unknown"
 
 
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
+    # SIGTERM, and SIGINT even where a shell started us with it ignored, unwind through the
+    # finally blocks that stop every process the run started.
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     args = parse_args(argv)
     selected = _select(args)
     started = time.time()
