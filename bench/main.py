@@ -715,6 +715,7 @@ def main(argv: list[str] | None = None) -> int:
         "notes": notes,
         "workloads": {},
     }
+    status = 0
     try:
         run.upstream = servers.start_upstream(
             tmp, files, load_cpus, args.sse_slow_s, use_nginx=run.have_nginx
@@ -725,6 +726,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             run_groups(run, selected, results)
             run_scaling(run, results)
+    except KeyboardInterrupt as exc:
+        run.note(f"interrupted ({exc}): only the workloads that finished are reported")
+        results["meta"]["interrupted"] = True
+        status = 130
     finally:
         if run.upstream is not None:
             run.upstream.proc.stop()
@@ -732,7 +737,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     results["meta"]["elapsed_s"] = round(time.time() - started, 1)
     write_results(args, results)
-    return 0
+    return status
 
 
 def write_results(args: argparse.Namespace, results: Json) -> None:
@@ -749,7 +754,8 @@ def write_results(args: argparse.Namespace, results: Json) -> None:
     base.with_suffix(".md").write_text(md)
     print("\n" + md, flush=True)
     log(f"== results: {base}.json, {base}.md")
-    if mode == "full" and out.resolve() == RESULTS.resolve() and not args.workloads:
+    complete = not results["meta"].get("interrupted")
+    if mode == "full" and complete and out.resolve() == RESULTS.resolve() and not args.workloads:
         (out / "latest.md").write_text(md)
         log(f"== updated {out / 'latest.md'}")
 
