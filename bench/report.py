@@ -277,6 +277,8 @@ def _profile(results: Json) -> list[str]:
             "|---:|---|",
         ]
         out += [f"| {pct:.1f} | `{frame}` |" for frame, pct in p["self"]]
+        out += ["", "| self % | source file |", "|---:|---|"]
+        out += [f"| {pct:.1f} | `{frame}` |" for frame, pct in p.get("self_by_file", [])]
         out += ["", "| inclusive % | frame |", "|---:|---|"]
         out += [f"| {pct:.1f} | `{frame}` |" for frame, pct in p["inclusive"]]
         out.append("")
@@ -321,6 +323,7 @@ def collapse(raw: str, top: int = 25) -> Json:
     """Self and inclusive shares of each frame in py-spy's `--format raw` output."""
     self_c: Counter[str] = Counter()
     incl: Counter[str] = Counter()
+    by_file: Counter[str] = Counter()
     total = 0
     for line in raw.splitlines():
         stack, _, count = line.rpartition(" ")
@@ -330,12 +333,15 @@ def collapse(raw: str, top: int = 25) -> Json:
         frames = stack.split(";")
         total += n
         self_c[frames[-1]] += n
+        leaf = frames[-1]
+        by_file[leaf[leaf.rfind("(") + 1 :].split(":")[0].rstrip(")")] += n
         for f in set(frames):
             incl[f] += n
     if not total:
-        return {"samples": 0, "self": [], "inclusive": []}
+        return {"samples": 0, "self": [], "inclusive": [], "self_by_file": []}
     return {
         "samples": total,
+        "self_by_file": [(f, 100 * c / total) for f, c in by_file.most_common(top)],
         "self": [(f, 100 * c / total) for f, c in self_c.most_common(top)],
         "inclusive": [(f, 100 * c / total) for f, c in incl.most_common(top)],
     }
