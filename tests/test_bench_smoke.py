@@ -1,0 +1,35 @@
+"""The benchmark suite's smoke run works end to end: no speed is asserted, only that it runs.
+
+`bench/run.py --smoke` uses nginx, wrk and sglang-router where installed and falls back to
+Python stand-ins (with a "skipped: ..." note) where not, so this passes on a bare CI machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_smoke_runs_and_writes_results(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "run.py"), "--smoke", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+        env={**os.environ, "BENCH_NO_VENV": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = list(tmp_path.glob("*-smoke.json"))
+    tables = list(tmp_path.glob("*-smoke.md"))
+    assert len(results) == 1, proc.stdout[-3000:]
+    assert len(tables) == 1
+    data = json.loads(results[0].read_text())
+    assert data["meta"]["mode"] == "smoke"
+    assert "# Gateway benchmark" in tables[0].read_text()
