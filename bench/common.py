@@ -112,11 +112,18 @@ def raise_nofile(want: int = 65536) -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
-def machine_busy() -> tuple[float, float]:
-    """(busy CPU seconds over all CPUs since boot, steal seconds) from /proc/stat."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-    return (user + nice + system + irq + softirq) / CLK_TCK, steal / CLK_TCK
+def cpu_busy() -> dict[int, tuple[float, float]]:
+    """Per CPU: (busy seconds since boot, steal seconds), from /proc/stat."""
+    out: dict[int, tuple[float, float]] = {}
+    for line in Path("/proc/stat").read_text().splitlines():
+        if not line.startswith("cpu") or line[3] == " ":
+            continue
+        name, *rest = line.split()
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (
+            [int(x) for x in rest] + [0] * 8
+        )[:8]
+        out[int(name[3:])] = ((user + nice + system + irq + softirq) / CLK_TCK, steal / CLK_TCK)
+    return out
 
 
 def children_cpu() -> float:
@@ -128,35 +135,46 @@ def children_cpu() -> float:
 
 
 class Interference:
-    """CPU used on the machine by anything but the benchmark's own processes.
+    """CPU used by anything but the benchmark's own processes, on each side of the pinning.
 
-    The machine may be shared (other test suites, builds): a run during which others used
-    a noticeable share of a core is flagged, and may be retried.
+    The machine may be shared (other test suites, builds). `ours` is the benchmark's whole
+    process tree (the orchestrator: upstream, proxies, wrk), `proxy` the proxy under test,
+    pinned to `proxy_cpus`; everything else of ours runs on the other CPUs. Results, in cores:
+    others on the proxy CPUs, others on the remaining CPUs, steal (VM) over all CPUs.
     """
 
-    def __init__(self, ours: Iterable[int]) -> None:
-        self.ours = list(ours)
+    def __init__(self, ours: list[int], proxy: list[int], proxy_cpus: set[int]) -> None:
+        self.ours, self.proxy, self.proxy_cpus = ours, proxy, proxy_cpus
         self.t0 = time.perf_counter()
-        self.busy0, self.steal0 = machine_busy()
-        self.own0 = cpu_seconds(tree(self.ours)) + children_cpu()
+        self.busy0 = cpu_busy()
+        self.own0 = cpu_seconds(tree(ours)) + children_cpu()
+        self.proxy0 = cpu_seconds(tree(proxy))
 
-    def result(self, extra_own: float = 0.0) -> tuple[float, float]:
-        """(other processes' CPU in cores, steal in cores) since construction."""
+    def result(self) -> tuple[float, float, float]:
         wall = max(1e-6, time.perf_counter() - self.t0)
-        busy, steal = machine_busy()
-        own = cpu_seconds(tree(self.ours)) + children_cpu() - self.own0 + extra_own
-        other = max(0.0, busy - self.busy0 - own)
-        return other / wall, (steal - self.steal0) / wall
+        busy = cpu_busy()
+        own = cpu_seconds(tree(self.ours)) + children_cpu() - self.own0
+        proxy = cpu_seconds(tree(self.proxy)) - self.proxy0 if self.proxy else 0.0
+        side = {True: 0.0, False: 0.0}  # True: the proxy CPUs
+        steal = 0.0
+        for cpu, (b, s) in busy.items():
+            b0, s0 = self.busy0.get(cpu, (b, s))
+            side[cpu in self.proxy_cpus] += b - b0
+            steal += s - s0
+        if not self.proxy_cpus:  # nothing pinned: one pool
+            return 0.0, max(0.0, side[False] - own) / wall, steal / wall
+        on_proxy = max(0.0, side[True] - proxy)
+        on_rest = max(0.0, side[False] - (own - proxy))
+        return on_proxy / wall, on_rest / wall, steal / wall
 
 
-def wait_quiet(ours: Iterable[int], max_wait: float, threshold: float) -> tuple[float, float]:
+def wait_quiet(ours: list[int], max_wait: float, threshold: float) -> tuple[float, float]:
     """Wait (at most `max_wait` s) until others use under `threshold` cores; (waited, load)."""
-    ours = list(ours)
     t0 = time.perf_counter()
     while True:
-        probe = Interference(ours)
+        probe = Interference(ours, [], set())
         time.sleep(0.5)
-        other, _ = probe.result()
+        _, other, _ = probe.result()
         waited = time.perf_counter() - t0
         if other < threshold or waited >= max_wait:
             return waited, other

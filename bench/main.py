@@ -268,11 +268,22 @@ def _quiet(run: Run) -> float:
     return waited
 
 
+def _probe(run: Run, t: Target) -> common.Interference:
+    cpus = set(_expand(run.proxy_cpus)) if run.proxy_cpus else set()
+    return common.Interference([os.getpid()], t.root_pids(), cpus)
+
+
+def _others(t: Target, probe: common.Interference) -> tuple[float, float]:
+    """Others' CPU on the cores this target's path uses (direct: only the load side)."""
+    on_proxy, on_rest, steal = probe.result()
+    return (on_rest if t.proc is None else on_proxy + on_rest), steal
+
+
 def _measure_once(run: Run, w: Workload, t: Target, duration: int, *, quiet: bool = True) -> Json:
     argv, env = _load_argv(run, w, t.port, duration)
     waited = _quiet(run) if quiet else 0.0
     pids = t.pids()
-    probe = common.Interference([os.getpid()])  # our tree: upstream, proxies, wrk
+    probe = _probe(run, t)
     cpu0 = common.cpu_seconds(pids)
     proc = subprocess.run(
         argv,
@@ -284,7 +295,7 @@ def _measure_once(run: Run, w: Workload, t: Target, duration: int, *, quiet: boo
         check=False,
     )
     cpu = common.cpu_seconds(t.pids()) - cpu0
-    other, steal = probe.result()
+    other, steal = _others(t, probe)
     res = _parse_line(proc.stdout)
     if res is None:
         return {"error": (proc.stderr or proc.stdout).strip()[-300:] or f"rc {proc.returncode}"}
@@ -389,7 +400,7 @@ def run_memory(run: Run, w: Workload, targets: dict[str, Target]) -> Json:
             limit = files.resp_64m.stat().st_size / rate * 3 + 90
         env = dict(os.environ, PYTHONPATH=str(common.ROOT))
         waited = _quiet(run)
-        probe = common.Interference([os.getpid()])
+        probe = _probe(run, t)
         cpu0 = common.cpu_seconds(t.pids())
         try:
             proc = subprocess.run(
@@ -409,7 +420,7 @@ def run_memory(run: Run, w: Workload, targets: dict[str, Target]) -> Json:
             rec["status"] = "failed: " + (proc.stderr or proc.stdout).strip()[-300:]
             log(f"   {name}: {rec['status']}")
             continue
-        other, steal = probe.result()
+        other, steal = _others(t, probe)
         res |= {"other_load": other, "steal": steal, "quiet_wait_s": waited}
         if t.proc is not None:
             res["cpu_s"] = common.cpu_seconds(t.pids()) - cpu0

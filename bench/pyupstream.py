@@ -18,6 +18,16 @@ from bench import bodies
 _OPS = b'{"model_path":"bench","tokenizer_path":null,"is_generation":true,"status":"ok"}'
 
 
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+_SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n"
+)
+
+
 def _head(status: int, ctype: bytes, length: int, extra: bytes = b"") -> bytes:
     return b"HTTP/1.1 %d OK\r\nContent-Type: %s\r\nContent-Length: %d\r\n%s\r\n" % (
         status,
@@ -75,9 +85,9 @@ class Upstream(asyncio.Protocol):
             name = "resp-4m.json" if self.kind == "resp4m" else "resp-big.json"
             data = (self.files / name).read_bytes()
             t.write(_head(200, b"application/json", len(data)) + data)
-        elif self.kind == "sse200":
-            data = (self.files / "sse-200.txt").read_bytes()
-            t.write(_head(200, b"text/event-stream", len(data)) + data)
+        elif self.kind == "sse200":  # chunked, as SGLang streams: one chunk per event
+            events = (self.files / "sse-200.txt").read_bytes().split(b"\n\n")[:-1]
+            t.write(_SSE_HEAD + b"".join(_chunk(ev + b"\n\n") for ev in events) + b"0\r\n\r\n")
         else:
             self.busy = True
             asyncio.get_running_loop().create_task(self.slow_sse())
@@ -87,13 +97,14 @@ class Upstream(asyncio.Protocol):
         assert t is not None
         data = (self.files / "sse-slow.txt").read_bytes()
         events = data.split(b"\n\n")[:-1]
-        t.write(_head(200, b"text/event-stream", len(data), b"Cache-Control: no-cache\r\n"))
+        t.write(_SSE_HEAD)
         pause = self.sse_slow_s / max(1, len(events))
         for ev in events:
             if t.is_closing():
                 return
-            t.write(ev + b"\n\n")
+            t.write(_chunk(ev + b"\n\n"))
             await asyncio.sleep(pause)
+        t.write(b"0\r\n\r\n")
         self.busy = False
         if self.buf:
             self.data_received(b"")

@@ -67,6 +67,11 @@ def upstream_nginx_conf(
             extra += "      add_header Cache-Control no-cache;\n"
             # What an SSE deployment configures on nginx: no response buffering.
             extra += "      add_header X-Accel-Buffering no;\n"
+            # SGLang streams with Transfer-Encoding: chunked. nginx sends a static file with a
+            # Content-Length unless a body filter runs: appending an empty body (the addition
+            # module) drops the length without scanning the bytes, so the stream goes out
+            # chunked, as SGLang's does.
+            extra += "      add_after_body /_empty;\n      addition_types text/event-stream;\n"
         if rate:
             extra += f"      limit_rate {rate};\n      sendfile off;\n"
         return f"""
@@ -77,6 +82,7 @@ def upstream_nginx_conf(
       internal;
       alias {path.parent}/;
 {extra}    }}
+    location = /_empty {{ internal; return 200 ""; }}
     location / {{ return 200 '{_OPS_JSON}'; }}
   }}
 """
