@@ -219,6 +219,9 @@ class SamplingMaskConfig(_Model):
 
 class PolicyConfig(_Model):
     sampling_mask: SamplingMaskConfig = SamplingMaskConfig()
+    # Refuse a request whose parallel sampling `n` exceeds this: SGLang allocates per-sample
+    # state up front, so one huge n can exhaust a server's memory. null: no cap.
+    max_parallel_samples: Annotated[int, Field(ge=1)] | None = 1024
     # Forward a body that provably cannot hold the mask key (an exact byte scan) without
     # parsing it. Faster for large token-id bodies; malformed or mistyped bodies are then
     # refused by SGLang itself rather than by the gateway. Off: every body is parsed.

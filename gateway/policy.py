@@ -83,6 +83,9 @@ class MaskPolicy:
     # A top_k the operator knows the backend fills in for an omitted one (the model's
     # generation_config on chat, --preferred-sampling-params on /generate). None: fail closed.
     default_top_k: int | None = None
+    # Parallel samples (`n`) per item. SGLang builds per-sample state for batch x n up
+    # front, so one request with a huge n exhausts the server's memory. None: no cap.
+    max_n: int | None = None
 
     def check(self, kind: Kind, body: Mapping[str, Any]) -> Rejection | None:
         """Apply the contract to a parsed body of a route of the given kind."""
@@ -193,6 +196,16 @@ class MaskPolicy:
     def _check_item(
         self, params: Mapping[str, Any], *, mask_on: bool, generate: bool
     ) -> Rejection | None:
+        if self.max_n is not None:
+            n = _sample_count(params.get("n"), generate=generate)
+            if n is not None and n > self.max_n:
+                return Rejection(
+                    400,
+                    "parallel_sampling",
+                    "n_too_large",
+                    f"n must be at most {self.max_n} (this gateway's cap on parallel "
+                    f"samples per request); got {n}.",
+                )
         if is_greedy(params.get("temperature")) and not (generate and params.get("is_normalized")):
             # SGLang forces top_k = 1 for greedy items whatever top_k says, unless the
             # sampling_params carry a truthy `is_normalized`, which skips that step.
@@ -211,6 +224,21 @@ class MaskPolicy:
         if mask_on and _is_unbounded(k):
             return Rejection(400, "sampling_mask", "unbounded_top_k", MASK_MESSAGE)
         return None
+
+
+def _sample_count(value: object, *, generate: bool) -> float | None:
+    """`n` as SGLang would use it, where it is a number; other spellings are left to the
+    backend's own validation (a string n on /generate crashes SGLang before it allocates)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return value
+    if not generate and isinstance(value, str):
+        try:
+            return lax_int(value, "n")  # pydantic reads "5000" as 5000 on OpenAI routes
+        except Invalid:
+            return None
+    return None
 
 
 def _parallel(params: object) -> bool:

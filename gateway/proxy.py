@@ -106,7 +106,11 @@ class ProxySettings:
             routes=RouteTable(
                 vertex_path=cfg.routes.vertex_path, extra_passthrough=cfg.routes.passthrough
             ),
-            policy=MaskPolicy(enforce=mask.mode == "enforce", default_top_k=mask.default_top_k),
+            policy=MaskPolicy(
+                enforce=mask.mode == "enforce",
+                default_top_k=mask.default_top_k,
+                max_n=cfg.policy.max_parallel_samples,
+            ),
             forwarding=ForwardingPolicy(
                 cfg.forwarding.trusted_proxies,
                 upstream_authorization=upstream_auth,
