@@ -595,7 +595,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile-top", type=int, default=25, help="rows per profile table")
     p.add_argument("--profile-lines", action="store_true", help="profile rows per source line")
     p.add_argument("--out", default=str(RESULTS), help="results directory")
-    p.add_argument("--keep-tmp", action="store_true")
+    p.add_argument("--keep-tmp", action="store_true", help="keep configs, bodies and logs")
+    p.add_argument("--render", metavar="JSON", help="only re-render a results JSON as Markdown")
     args = p.parse_args(argv)
     smoke = args.smoke
     defaults = {
@@ -649,12 +650,22 @@ def _interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def render(path: Path) -> int:
+    """Re-render a results JSON as Markdown (next to it), e.g. after a report change."""
+    md = report.markdown(json.loads(path.read_text()))
+    path.with_suffix(".md").write_text(md)
+    print(md)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     # SIGTERM, and SIGINT even where a shell started us with it ignored, unwind through the
     # finally blocks that stop every process the run started.
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
     args = parse_args(argv)
+    if args.render:
+        return render(Path(args.render))
     selected = _select(args)
     started = time.time()
     nofile = common.raise_nofile()
