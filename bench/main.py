@@ -157,7 +157,8 @@ def _start_targets(run: Run, kind: str, names: tuple[str, ...]) -> dict[str, Tar
             if not run.have_nginx:
                 out[name] = Target(name, 0, status="skipped: nginx not installed")
                 continue
-            proc = servers.nginx_proxy(run.tmp, kind, up_port, run.proxy_cpus).start()
+            buf = run.args.nginx_body_buffer
+            proc = servers.nginx_proxy(run.tmp, kind, up_port, run.proxy_cpus, buf).start()
             out[name] = Target(name, proc.port, proc)
         elif name == "sglang-router":
             if not run.have_router:
@@ -595,6 +596,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile-top", type=int, default=25, help="rows per profile table")
     p.add_argument("--profile-lines", action="store_true", help="profile rows per source line")
     p.add_argument("--out", default=str(RESULTS), help="results directory")
+    p.add_argument(
+        "--nginx-body-buffer",
+        default="2m",
+        help="the nginx anchor's client_body_buffer_size (nginx's own default: 16k, which "
+        "spools large bodies to temp files)",
+    )
     p.add_argument("--keep-tmp", action="store_true", help="keep configs, bodies and logs")
     p.add_argument("--render", metavar="JSON", help="only re-render a results JSON as Markdown")
     args = p.parse_args(argv)
