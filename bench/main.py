@@ -736,6 +736,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": run.rounds,
             "duration_s": run.duration,
             "gateway_workers": workers,
+            "nginx_body_buffer": args.nginx_body_buffer,
             "sse_streams": args.sse_streams,
             "sse_slow_s": args.sse_slow_s,
             "big_response_mb": args.big_mb,

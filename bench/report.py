@@ -301,8 +301,9 @@ def markdown(results: Json) -> str:
         "",
         f"Versions: gateway {v['gateway_commit']} (aiohttp {v['aiohttp']}, orjson "
         f"{v['orjson']}, uvloop {v['uvloop']}, {meta['gateway_workers']} worker(s)), nginx "
-        f"{v['nginx'] or 'absent'}, sglang-router {v['sglang_router'] or 'absent'}, wrk "
-        f"{v['wrk'] or 'absent'}.",
+        f"{v['nginx'] or 'absent'} (client_body_buffer_size "
+        f"{meta.get('nginx_body_buffer', '2m')}), sglang-router "
+        f"{v['sglang_router'] or 'absent'}, wrk {v['wrk'] or 'absent'}.",
         "",
     ]
     out += _throughput(results)
