@@ -157,7 +157,8 @@ def _start_targets(run: Run, kind: str, names: tuple[str, ...]) -> dict[str, Tar
             if not run.have_nginx:
                 out[name] = Target(name, 0, status="skipped: nginx not installed")
                 continue
-            proc = servers.nginx_proxy(run.tmp, kind, up_port, run.proxy_cpus).start()
+            buf = run.args.nginx_body_buffer
+            proc = servers.nginx_proxy(run.tmp, kind, up_port, run.proxy_cpus, buf).start()
             out[name] = Target(name, proc.port, proc)
         elif name == "sglang-router":
             if not run.have_router:
@@ -595,7 +596,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile-top", type=int, default=25, help="rows per profile table")
     p.add_argument("--profile-lines", action="store_true", help="profile rows per source line")
     p.add_argument("--out", default=str(RESULTS), help="results directory")
-    p.add_argument("--keep-tmp", action="store_true")
+    p.add_argument(
+        "--nginx-body-buffer",
+        default="2m",
+        help="the nginx anchor's client_body_buffer_size (nginx's own default: 16k, which "
+        "spools large bodies to temp files)",
+    )
+    p.add_argument("--keep-tmp", action="store_true", help="keep configs, bodies and logs")
+    p.add_argument("--render", metavar="JSON", help="only re-render a results JSON as Markdown")
     args = p.parse_args(argv)
     smoke = args.smoke
     defaults = {
@@ -649,12 +657,22 @@ def _interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def render(path: Path) -> int:
+    """Re-render a results JSON as Markdown (next to it), e.g. after a report change."""
+    md = report.markdown(json.loads(path.read_text()))
+    path.with_suffix(".md").write_text(md)
+    print(md)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     # SIGTERM, and SIGINT even where a shell started us with it ignored, unwind through the
     # finally blocks that stop every process the run started.
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
     args = parse_args(argv)
+    if args.render:
+        return render(Path(args.render))
     selected = _select(args)
     started = time.time()
     nofile = common.raise_nofile()
@@ -718,6 +736,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": run.rounds,
             "duration_s": run.duration,
             "gateway_workers": workers,
+            "nginx_body_buffer": args.nginx_body_buffer,
             "sse_streams": args.sse_streams,
             "sse_slow_s": args.sse_slow_s,
             "big_response_mb": args.big_mb,

@@ -88,10 +88,11 @@ def _absolute(results: Json) -> list[str]:
         "",
         "Added p50: the target's p50 minus the direct p50 in the same workload. Proxy CPU: "
         "user+system time of the proxy's whole process tree during the run, per request and "
-        "as a share of one core. Others: the most CPU (in cores) that processes outside the "
-        "benchmark used during any of the target's runs (the machine may be shared).",
+        "as a share of one core. resp MB/s: response bytes received per second. Others: the "
+        "most CPU (in cores) that processes outside the benchmark used during any of the "
+        "target's runs, on the cores its path uses (the machine may be shared).",
         "",
-        "| workload | target | req/s | MB/s | p50 ms | p99 ms | added p50 ms "
+        "| workload | target | req/s | resp MB/s | p50 ms | p99 ms | added p50 ms "
         "| proxy CPU us/req | proxy CPU % | proxy RSS MiB | errors | others |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -300,8 +301,9 @@ def markdown(results: Json) -> str:
         "",
         f"Versions: gateway {v['gateway_commit']} (aiohttp {v['aiohttp']}, orjson "
         f"{v['orjson']}, uvloop {v['uvloop']}, {meta['gateway_workers']} worker(s)), nginx "
-        f"{v['nginx'] or 'absent'}, sglang-router {v['sglang_router'] or 'absent'}, wrk "
-        f"{v['wrk'] or 'absent'}.",
+        f"{v['nginx'] or 'absent'} (client_body_buffer_size "
+        f"{meta.get('nginx_body_buffer', '2m')}), sglang-router "
+        f"{v['sglang_router'] or 'absent'}, wrk {v['wrk'] or 'absent'}.",
         "",
     ]
     out += _throughput(results)

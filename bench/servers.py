@@ -160,7 +160,9 @@ def start_upstream(
 # -- the proxies under test ---------------------------------------------------------------
 
 
-def nginx_proxy_conf(tmp: Path, name: str, port: int, upstream_port: int) -> str:
+def nginx_proxy_conf(
+    tmp: Path, name: str, port: int, upstream_port: int, body_buffer: str = "2m"
+) -> str:
     return (
         _nginx_common(tmp, name)
         + f"""
@@ -171,7 +173,7 @@ http {{
   keepalive_timeout 300s;
   keepalive_requests 100000000;
   client_max_body_size 0;
-  client_body_buffer_size 2m;  # the 1 MB bodies stay in memory, never in a temp file
+  client_body_buffer_size {body_buffer};  # 2m: the 1 MB bodies stay in memory, no temp file
 {_temp_paths(tmp, name)}
   upstream backend {{
     server 127.0.0.1:{upstream_port};
@@ -199,11 +201,13 @@ http {{
     )
 
 
-def nginx_proxy(tmp: Path, kind: str, upstream_port: int, cpus: str | None) -> Proc:
+def nginx_proxy(
+    tmp: Path, kind: str, upstream_port: int, cpus: str | None, body_buffer: str = "2m"
+) -> Proc:
     name = f"nginx-proxy-{kind}"
     port = common.free_port()
     conf = tmp / f"{name}.conf"
-    conf.write_text(nginx_proxy_conf(tmp, name, port, upstream_port))
+    conf.write_text(nginx_proxy_conf(tmp, name, port, upstream_port, body_buffer))
     nginx = shutil.which("nginx")
     assert nginx is not None
     argv = [nginx, "-c", str(conf), "-p", str(tmp), "-e", str(tmp / f"{name}-error.log")]
