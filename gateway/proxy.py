@@ -474,7 +474,13 @@ class Proxy:
             resp_headers = resp.headers
             for name, value in ForwardingPolicy.downstream(upstream.headers.items(), ex.request_id):
                 resp_headers.add(name, value)
-            await resp.prepare(request)
+            try:
+                await resp.prepare(request)
+            except ConnectionError:
+                # The client left while the backend was preparing its answer: nothing to
+                # send; the upstream is closed below so SGLang aborts the generation.
+                ex.outcome = "client_disconnect"
+                return resp
             content = upstream.content
             while True:
                 try:
