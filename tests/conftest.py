@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 
 from gateway import config as config_mod
@@ -116,6 +117,26 @@ async def start_stub_process(*args: str) -> tuple[asyncio.subprocess.Process, st
     proc = await spawn("gateway.stub", "--port", "0", *args, stdout=asyncio.subprocess.PIPE)
     m = await read_match(proc.stdout, r"stub listening on (http://\S+)")
     return proc, m.group(1)
+
+
+async def abandon_generate(gw: Gateway, *, stream: bool, headers: dict[str, str]) -> None:
+    """A client that gives up on a slow /generate after 0.5 s: mid-stream when `stream`,
+    else while the backend is still working on the answer."""
+    body = orjson.dumps({"text": "x", "stream": stream, "sampling_params": {"top_k": 2}})
+    hdrs = {"Content-Type": "application/json", **headers}
+    if stream:
+        hdrs.update({"X-Stub-Chunk-Delay-Ms": "200", "X-Stub-Events": "100"})
+    else:
+        hdrs["X-Stub-Delay-Ms"] = "10000"
+    async with aiohttp.ClientSession() as s:
+        with pytest.raises(TimeoutError):
+            async with s.post(
+                gw_url(gw, "/generate"),
+                data=body,
+                headers=hdrs,
+                timeout=aiohttp.ClientTimeout(total=0.5),
+            ) as r:
+                await r.read()
 
 
 async def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.config import TimeoutsConfig
 from gateway.server import Gateway
 from gateway.stub import StubBackend
-from tests.conftest import GatewayFactory, admin_url, gw_url, wait_for
+from tests.conftest import GatewayFactory, abandon_generate, admin_url, gw_url, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 JSON = {"Content-Type": "application/json"}
@@ -270,21 +270,7 @@ async def test_upstream_error_counted_by_backend_and_cause(
 async def test_client_disconnect_counted(
     stub: StubBackend, gateway: Gateway, access: list[str], stream: bool
 ) -> None:
-    body = orjson.dumps({"text": "x", "stream": stream, "sampling_params": {"top_k": 2}})
-    hdrs = {**JSON, "X-Request-Id": "gone-1"}
-    if stream:
-        hdrs.update({"X-Stub-Chunk-Delay-Ms": "200", "X-Stub-Events": "100"})
-    else:
-        hdrs["X-Stub-Delay-Ms"] = "10000"
-    async with aiohttp.ClientSession() as s:
-        with pytest.raises(TimeoutError):
-            async with s.post(
-                gw_url(gateway, "/generate"),
-                data=body,
-                headers=hdrs,
-                timeout=aiohttp.ClientTimeout(total=0.5),
-            ) as r:
-                await r.read()
+    await abandon_generate(gateway, stream=stream, headers={"X-Request-Id": "gone-1"})
     phase = "streaming" if stream else "waiting"
     name = "sglang_gateway_client_disconnects_total"
     await wait_for(lambda: value(gateway, name, phase=phase) == 1.0)

@@ -14,7 +14,14 @@ from multidict import CIMultiDict
 from gateway.policy import MASK_MESSAGE
 from gateway.server import Gateway
 from gateway.stub import StubBackend
-from tests.conftest import GatewayFactory, admin_url, gw_url, last_proxied, wait_for
+from tests.conftest import (
+    GatewayFactory,
+    abandon_generate,
+    admin_url,
+    gw_url,
+    last_proxied,
+    wait_for,
+)
 
 JSON = {"Content-Type": "application/json"}
 
@@ -397,19 +404,7 @@ async def test_request_body_over_limit_is_413(
 async def test_client_disconnect_closes_upstream(
     stub: StubBackend, gateway: Gateway, stream: bool
 ) -> None:
-    body = orjson.dumps({"text": "x", "stream": stream, "sampling_params": {"top_k": 2}})
-    hdrs = {**JSON, "X-Stub-Delay-Ms": "0" if stream else "10000"}
-    if stream:
-        hdrs.update({"X-Stub-Chunk-Delay-Ms": "200", "X-Stub-Events": "100"})
-    async with aiohttp.ClientSession() as s:
-        with pytest.raises(TimeoutError):
-            async with s.post(
-                gw_url(gateway, "/generate"),
-                data=body,
-                headers=hdrs,
-                timeout=aiohttp.ClientTimeout(total=0.5),
-            ) as r:
-                await r.read()
+    await abandon_generate(gateway, stream=stream, headers={})
     await asyncio.wait_for(stub.disconnect_event.wait(), timeout=1.0)
     assert stub.cancelled == 1
     await wait_for(lambda: gateway.proxy is not None and gateway.proxy.inflight == 0)
