@@ -1,7 +1,8 @@
-"""Assertions shared by the hardening tests."""
+"""Assertions and process readings shared by the hardening tests."""
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable
 
@@ -30,3 +31,15 @@ def assert_no_internals(body: bytes, *, addresses: Iterable[str] = ()) -> None:
         port = host_port.rsplit(":", 1)[-1]
         assert host_port not in text, text
         assert not re.search(rf"\b{re.escape(port)}\b", text), f"port {port} in {text!r}"
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def vmrss_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import re
 import signal
 import sys
@@ -19,25 +18,13 @@ import pytest
 from gateway.server import Gateway
 from gateway.stub import StubBackend
 from tests.conftest import GatewayFactory, admin_url, gw_url, wait_for
-from tests.hardening.checks import assert_no_internals
+from tests.hardening.checks import assert_no_internals, fd_count, vmrss_kib
 from tests.hardening.rawnet import FaultBackend
 
 ROOT = Path(__file__).resolve().parents[2]
 JSON = {"Content-Type": "application/json"}
 OK = orjson.dumps({"text": "x", "sampling_params": {"top_k": 2}})
 STREAM = orjson.dumps({"text": "x", "stream": True, "sampling_params": {"top_k": 2}})
-
-
-def fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-def vmrss_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmRSS")
 
 
 async def settle(predicate: object, timeout: float = 3.0) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import os
 import random
 from collections import Counter
 from dataclasses import dataclass, field
@@ -22,20 +21,9 @@ import pytest
 from gateway.server import Gateway
 from gateway.stub import StubBackend
 from tests.conftest import GatewayFactory, gw_url, wait_for
+from tests.hardening.checks import fd_count, vmrss_kib
 
 JSON = {"Content-Type": "application/json"}
-
-
-def fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-def vmrss_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmRSS")
 
 
 def pooled(gw: Gateway) -> tuple[int, int]:
