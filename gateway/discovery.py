@@ -180,18 +180,19 @@ class KubernetesApi:
         if ca_file is not None and api_server.startswith("https"):
             self._ssl = ssl.create_default_context(cafile=ca_file)
 
-    def _headers(self) -> dict[str, str]:
+    async def _headers(self) -> dict[str, str]:
         headers = {"Accept": "application/json"}
         if self._token_file is not None:
-            # Re-read every call: projected service-account tokens rotate.
-            token = Path(self._token_file).read_text(encoding="utf-8").strip()
-            headers["Authorization"] = f"Bearer {token}"
+            # Re-read every call: projected service-account tokens rotate. In a thread, so
+            # a slow volume never stalls the event loop.
+            text = await asyncio.to_thread(Path(self._token_file).read_text, encoding="utf-8")
+            headers["Authorization"] = f"Bearer {text.strip()}"
         return headers
 
     async def list(self) -> tuple[list[dict[str, Any]], str]:
         params = {"labelSelector": self._selector}
         async with self._session.get(
-            self._base, params=params, headers=self._headers(), ssl=self._ssl
+            self._base, params=params, headers=await self._headers(), ssl=self._ssl
         ) as resp:
             resp.raise_for_status()
             body = orjson.loads(await resp.read())
@@ -210,7 +211,7 @@ class KubernetesApi:
         async with self._session.get(
             self._base,
             params=params,
-            headers=self._headers(),
+            headers=await self._headers(),
             ssl=self._ssl,
             timeout=aiohttp.ClientTimeout(total=None, sock_read=timeout_s + 30),
         ) as resp:
