@@ -226,7 +226,10 @@ class Gateway:
                     log.warning("reload requested, but the gateway was started without --config")
                     return False
                 try:
-                    cfg = config_mod.load(self.config_path, self._overrides)
+                    # File reads and validation off the loop: requests keep flowing meanwhile.
+                    cfg = await asyncio.to_thread(
+                        config_mod.load, self.config_path, self._overrides
+                    )
                 except ConfigError as exc:
                     self.reload_failures += 1
                     log.error("reload refused, keeping the running config:\n%s", exc)
@@ -236,7 +239,7 @@ class Gateway:
                     log.warning("reload: %s changed; it takes effect only after a restart", key)
             assert self.proxy is not None
             try:
-                settings = ProxySettings.from_config(cfg)
+                settings = await asyncio.to_thread(ProxySettings.from_config, cfg)
             except OSError as exc:
                 self.reload_failures += 1
                 log.error("reload refused, keeping the running config: %s", exc)
