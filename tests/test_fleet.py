@@ -53,10 +53,9 @@ async def test_consistent_hash_keeps_a_session_on_one_worker(
     stubs: list[StubBackend], make_gateway: GatewayFactory, session: aiohttp.ClientSession
 ) -> None:
     gw = await make_gateway(*(s.url for s in stubs), backends={"balancer": "consistent_hash"})
-    for turn in range(5):
+    for _turn in range(5):
         for sid in range(12):
             assert await send(session, gw, **{"X-Session-Id": f"rollout-{sid}"}) == 200
-        del turn
     owners: dict[str, set[int]] = {}
     for i, stub in enumerate(stubs):
         for r in stub.generation_requests():
