@@ -2,20 +2,22 @@
 
 The chain is short and ordered, and the first rejection wins (sglang-contract.md s.8):
   1. headers: a request Content-Encoding or a non-JSON media type is refused (415);
-  2. body: parsed once with orjson, SGLang's own parser; anything it cannot read, or a
-     top level that is not an object, is refused (400): a body the gateway could not read
-     is never forwarded;
+  2. body: read once, exactly as orjson (SGLang's own parser) reads it; anything orjson
+     cannot read, or a top level that is not an object, is refused (400): a body the gateway
+     could not read is never forwarded. Only the fields the policy needs become Python
+     objects (gateway/jsonview.py);
   3. the sampling-mask policy on the parsed view.
 The parsed object is only read, never re-serialised: the proxy forwards the bytes it got.
 """
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Any, Final
 
 import orjson
 
-from gateway.policy import MaskPolicy, Rejection
+from gateway.jsonview import read_view
+from gateway.policy import READS, SHAPE_ONLY, MaskPolicy, Rejection
 from gateway.routes import Kind
 
 _JSON_SUBTYPE: Final = "json"
@@ -62,10 +64,14 @@ def check_headers(content_type: str | None, content_encoding: str | None) -> Rej
     return None
 
 
-def parse_object(body: bytes) -> dict[str, object] | Rejection:
-    """orjson's reading of a body, which must be a JSON object."""
+def parse_object(body: bytes, kind: Kind | None = None) -> dict[str, Any] | Rejection:
+    """orjson's reading of a body, which must be a JSON object.
+
+    With a kind, only the fields that kind's policy check reads are converted to Python
+    objects (gateway/jsonview.py); the whole body is still validated, exactly as orjson would.
+    """
     try:
-        obj = orjson.loads(body)
+        obj = orjson.loads(body) if kind is None else read_view(body, READS.get(kind), SHAPE_ONLY)
     except orjson.JSONDecodeError as exc:
         # Where, in plain words; the parser's own message goes to the log only.
         return Rejection(
@@ -90,6 +96,7 @@ def parse_object(body: bytes) -> dict[str, object] | Rejection:
 _MASK_KEY: Final = b"return_sampling_mask"
 # The only JSON escape that can spell a letter or "_": the key, escaped, must contain it.
 _UNICODE_ESCAPE: Final = b"\\u"
+_BACKSLASH: Final = b"\\"
 
 
 def may_hold_mask_key(body: bytes) -> bool:
@@ -100,7 +107,11 @@ def may_hold_mask_key(body: bytes) -> bool:
     the literal key nor any `\\u` cannot name it, in any spelling, at any depth. (A
     `\\u` that is really an escaped backslash followed by `u` only costs a full parse.)
     """
-    return _MASK_KEY in body or _UNICODE_ESCAPE in body
+    if _MASK_KEY in body:
+        return True
+    # CPython finds one byte with memchr but a two-byte needle with a much slower loop
+    # (0.6 ms against 0.01 ms on a 600 KB body): most bodies hold no backslash at all.
+    return _BACKSLASH in body and _UNICODE_ESCAPE in body
 
 
 def inspect_body(
@@ -115,7 +126,7 @@ def inspect_body(
     """
     if skip_parse_without_key and not may_hold_mask_key(body):
         return None
-    parsed = parse_object(body)
+    parsed = parse_object(body, kind)
     if isinstance(parsed, Rejection):
         return parsed
     return policy.check(kind, parsed)

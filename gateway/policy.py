@@ -75,6 +75,26 @@ def _is_unbounded(k: int | None) -> bool:
     return k is None or k == -1 or k >= TOP_K_ALL
 
 
+# The top-level fields each kind's check reads (None: all of them). The body reader
+# converts only these, so they must name every field the checks below look at:
+# tests/test_jsonview.py runs the truth tables through a recording body to hold them to it.
+_OPENAI_READS: Final = frozenset(
+    {"return_sampling_mask", "return_meta_info", "stream", "n", "temperature", "top_k"}
+)
+READS: Final[Mapping[Kind, frozenset[str] | None]] = {
+    Kind.GENERATE: frozenset(
+        {"return_sampling_mask", "sampling_params", "text", "input_ids", "input_embeds"}
+    ),
+    Kind.VERTEX: None,
+    Kind.CHAT: _OPENAI_READS,
+    Kind.COMPLETIONS: _OPENAI_READS,
+    Kind.RESPONSES: _OPENAI_READS,
+}
+# Fields read only for their length and the kind of their first element (the batch shape,
+# `_batch_size`): 100k-token input_ids need not become 100k Python ints.
+SHAPE_ONLY: Final = frozenset({"input_ids", "input_embeds"})
+
+
 @dataclass(frozen=True, slots=True)
 class MaskPolicy:
     """Settings of the sampling-mask rule, taken from config."""

@@ -25,6 +25,7 @@ from gateway.policy import (
     MASK_MESSAGE,
     META_INFO_MESSAGE,
     PARALLEL_LIST_MESSAGE,
+    READS,
     STREAM_META_INFO_MESSAGE,
     TOP_K_ALL,
     MaskPolicy,
@@ -78,9 +79,34 @@ def assert_outcome(actual: Rejection | None, expected: Expected) -> None:
 POLICY = MaskPolicy()
 
 
+class Recording(dict[str, Any]):
+    """A body that notes which top-level fields a check looks at."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        super().__init__(body)
+        self.read: set[str] = set()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: str) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key: object) -> bool:
+        self.read.add(str(key))
+        return super().__contains__(key)
+
+
 def both(kind: Kind, body: dict[str, Any], policy: MaskPolicy = POLICY) -> Rejection | None:
-    """check() on the parsed body, asserting inspect_body() on its bytes decides the same."""
-    direct = policy.check(kind, body)
+    """check() on the parsed body, asserting inspect_body() on its bytes decides the same,
+    and that the check read no top-level field the body reader leaves out (policy.READS)."""
+    recording = Recording(body)
+    direct = policy.check(kind, recording)
+    fields = READS.get(kind)
+    if fields is not None:
+        assert recording.read <= fields, recording.read - fields
     assert inspect_body(kind, orjson.dumps(body), policy) == direct
     return direct
 
