@@ -29,7 +29,7 @@ from gateway.discovery import Resolver
 from gateway.fleet import Fleet
 from gateway.metrics import FleetCollector, Metrics
 from gateway.observe import AccessLog, Observer
-from gateway.proxy import Proxy, ProxySettings
+from gateway.proxy import BUFFERED_BODY_MAX, Proxy, ProxySettings
 from gateway.routes import Family
 from gateway.workers import report_ready
 
@@ -179,6 +179,9 @@ class Gateway:
             # so that it and SGLang read the same bytes.
             auto_decompress=False,
             access_log=None,
+            # A request body up to this size is buffered whole before the handler wakes
+            # (gateway/proxy.py _read_body): one wake-up and one join instead of one per read.
+            read_bufsize=BUFFERED_BODY_MAX,
         )
         self._runner = web.ServerRunner(
             server, handle_signals=False, shutdown_timeout=cfg.timeouts.shutdown_grace_s
