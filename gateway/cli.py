@@ -19,6 +19,7 @@ import aiohttp
 from aiohttp import http_parser
 
 from gateway import config as config_mod
+from gateway.alloc import tune_malloc
 from gateway.config import ConfigError, GatewayConfig
 
 EXIT_CONFIG = 2
@@ -149,6 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"sglang-gateway: {problem}", file=sys.stderr)
         return 1
     setup_logging(cfg.logging.level)
+    tune_malloc()
     from gateway.server import serve  # noqa: PLC0415 - keeps --check-config light
 
     if cfg.listen.workers > 1:
