@@ -94,24 +94,39 @@ def parse_object(body: bytes, kind: Kind | None = None) -> dict[str, Any] | Reje
 
 
 _MASK_KEY: Final = b"return_sampling_mask"
-# The only JSON escape that can spell a letter or "_": the key, escaped, must contain it.
-_UNICODE_ESCAPE: Final = b"\\u"
 _BACKSLASH: Final = b"\\"
+_U: Final = ord("u")
+# Past this many escapes a full read (simdjson: ~0.15 ms per MB of text) is cheaper than
+# walking them one by one in Python.
+_MAX_ESCAPES_WALKED: Final = 64
 
 
 def may_hold_mask_key(body: bytes) -> bool:
     """False only when the body provably has no `return_sampling_mask` key.
 
     JSON spells a key either literally or with escapes; the key is all lowercase letters and
-    underscores, which no escape but `\\uXXXX` can produce. So a body containing neither
-    the literal key nor any `\\u` cannot name it, in any spelling, at any depth. (A
-    `\\u` that is really an escaped backslash followed by `u` only costs a full parse.)
+    underscores, which no escape but `\\uXXXX` can produce. So a body holding neither the
+    literal key nor any `\\u` escape cannot name it, in any spelling, at any depth.
+
+    Escapes are walked from one backslash to the next: in JSON text a backslash only occurs
+    inside a string, where it opens an escape of one character (or `u` and four hex digits,
+    never a backslash), so stepping two bytes past each one keeps the walk aligned and an
+    escaped backslash followed by `u` is not taken for an escape. A body that is not JSON
+    may be misjudged, but SGLang refuses such a body itself. (A scan for the two-byte `\\u`
+    would be simpler, but CPython searches a two-byte needle about 60 times slower than it
+    finds one byte with memchr: 0.6 ms against 0.01 ms on a 600 KB body.)
     """
     if _MASK_KEY in body:
         return True
-    # CPython finds one byte with memchr but a two-byte needle with a much slower loop
-    # (0.6 ms against 0.01 ms on a 600 KB body): most bodies hold no backslash at all.
-    return _BACKSLASH in body and _UNICODE_ESCAPE in body
+    find = body.find
+    at = find(_BACKSLASH)
+    for _ in range(_MAX_ESCAPES_WALKED):
+        if at < 0:
+            return False
+        if at + 1 < len(body) and body[at + 1] == _U:
+            return True
+        at = find(_BACKSLASH, at + 2)
+    return at >= 0  # still more escapes: read it rather than walk on
 
 
 def inspect_body(

@@ -64,14 +64,28 @@ def test_scan_never_misses_a_key_orjson_would_see(value: object) -> None:
         assert may_hold_mask_key(body)
 
 
+@settings(max_examples=300)
+@given(
+    st.text(alphabet='\\"\nu/\x01a\u00e9', max_size=40),
+    st.lists(st.booleans(), min_size=len(KEY), max_size=len(KEY)),
+)
+def test_escapes_before_the_key_never_hide_it(prefix: str, escaped: list[bool]) -> None:
+    """The walk from backslash to backslash stays aligned whatever escapes come first."""
+    body = b'{"text": ' + orjson.dumps(prefix) + b", " + spell(KEY, escaped, False) + b": 1}"
+    assert has_key(orjson.loads(body))
+    assert may_hold_mask_key(body)
+
+
 def test_keyless_bodies_skip_the_parse_only_when_enabled() -> None:
     broken = b'{"input_ids": [1, 2, 3'
     assert not may_hold_mask_key(broken)
     assert inspect_body(Kind.GENERATE, broken, MaskPolicy()) is not None  # strict default
     assert inspect_body(Kind.GENERATE, broken, MaskPolicy(), skip_parse_without_key=True) is None
-    # A prompt that merely mentions \u in text costs a parse, never a miss.
+    # A prompt that merely mentions \u in its text is an escaped backslash then "u": no
+    # escape, so no key; a real \u escape anywhere still costs a read.
     mentions = orjson.dumps({"text": "escape \\u0041 here", "sampling_params": {}})
-    assert may_hold_mask_key(mentions)
+    assert not may_hold_mask_key(mentions)
+    assert may_hold_mask_key(b'{"text": "caf\\u00e9", "sampling_params": {}}')
 
 
 @pytest.mark.parametrize("skip", [False, True])
@@ -91,3 +105,23 @@ async def test_large_token_bodies_through_the_gateway(
         assert r.status == 400
         assert (await r.json())["error"]["message"] == MASK_MESSAGE
     assert [x.body for x in stub.generation_requests()] == [plain]
+
+
+@pytest.mark.parametrize(
+    ("body", "may_hold"),
+    [
+        (b'{"input_ids":[1,2,3]}', False),
+        (b'{"text":"a\\nb\\"c"}', False),  # backslashes, but no \u escape
+        (b'{"text":"\\u0041"}', True),
+        (b'{"return_sampling_mask":true}', True),
+        (b'{"return_sampling_mas\\u006b":true}', True),
+        (b'{"text":"\\\\u"}', False),  # an escaped backslash, then a plain "u"
+        (b'{"text":"\\\\\\u0041"}', True),  # an escaped backslash, then an escape
+        (b'{"text":"' + b"\\n" * 63 + b'","input_ids":[1]}', False),
+        (b'{"text":"' + b"\\n" * 64 + b'\\u0041"}', True),
+        (b'{"text":"' + b"\\n" * 65 + b'"}', True),  # too many to walk: read it
+        (b'{"text":"a\\', False),  # a trailing backslash; the body is refused anyway
+    ],
+)
+def test_mask_key_scan(body: bytes, may_hold: bool) -> None:
+    assert may_hold_mask_key(body) is may_hold

@@ -16,7 +16,6 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, seed, settings
 
-from gateway.inspection import may_hold_mask_key
 from gateway.jsonview import Head, read_view
 from gateway.policy import READS, SHAPE_ONLY, MaskPolicy
 from gateway.routes import Kind, RouteTable
@@ -282,18 +281,3 @@ def test_parser_is_reused_and_a_huge_body_gets_its_own() -> None:
 def test_vertex_reads_everything() -> None:
     body = b'{"instances":[{"input_ids":[1,2]}],"parameters":{"top_k":5},"x":1}'
     assert read_view(body, READS[Kind.VERTEX], SHAPE_ONLY) == orjson.loads(body)
-
-
-@pytest.mark.parametrize(
-    ("body", "may_hold"),
-    [
-        (b'{"input_ids":[1,2,3]}', False),
-        (b'{"text":"a\\nb\\"c"}', False),  # backslashes, but no \u escape
-        (b'{"text":"\\u0041"}', True),
-        (b'{"return_sampling_mask":true}', True),
-        (b'{"return_sampling_mas\\u006b":true}', True),
-        (b'{"text":"\\\\u"}', True),  # an escaped backslash then "u": a harmless full parse
-    ],
-)
-def test_mask_key_scan(body: bytes, may_hold: bool) -> None:
-    assert may_hold_mask_key(body) is may_hold
