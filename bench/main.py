@@ -172,7 +172,13 @@ def _start_targets(run: Run, kind: str, names: tuple[str, ...]) -> dict[str, Tar
                 workers = int(name.rsplit("x", 1)[1])
             cpus = run.proxy_cpus if name == "gateway" else run.args.scaling_cpus or run.proxy_cpus
             proc = servers.gateway_proxy(
-                run.tmp, kind, up_port, cpus, workers=workers, label=name
+                run.tmp,
+                kind,
+                up_port,
+                cpus,
+                workers=workers,
+                label=name,
+                skip_parse=run.args.gateway_skip_parse,
             ).start()
             out[name] = Target(name, proc.port, proc)
     for t in out.values():
@@ -597,6 +603,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile-lines", action="store_true", help="profile rows per source line")
     p.add_argument("--out", default=str(RESULTS), help="results directory")
     p.add_argument(
+        "--gateway-skip-parse",
+        action="store_true",
+        help="run the gateway with policy.skip_parse_without_mask_key (the RL filter's setting)",
+    )
+    p.add_argument(
         "--nginx-body-buffer",
         default="2m",
         help="the nginx anchor's client_body_buffer_size (nginx's own default: 16k, which "
@@ -737,6 +748,7 @@ def main(argv: list[str] | None = None) -> int:
             "duration_s": run.duration,
             "gateway_workers": workers,
             "nginx_body_buffer": args.nginx_body_buffer,
+            "gateway_skip_parse": args.gateway_skip_parse,
             "sse_streams": args.sse_streams,
             "sse_slow_s": args.sse_slow_s,
             "big_response_mb": args.big_mb,

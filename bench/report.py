@@ -300,7 +300,8 @@ def markdown(results: Json) -> str:
         f"medians. Upstream: {meta.get('upstream', '?')}.",
         "",
         f"Versions: gateway {v['gateway_commit']} (aiohttp {v['aiohttp']}, orjson "
-        f"{v['orjson']}, uvloop {v['uvloop']}, {meta['gateway_workers']} worker(s)), nginx "
+        f"{v['orjson']}, uvloop {v['uvloop']}, {meta['gateway_workers']} worker(s)"
+        f"{', skip_parse_without_mask_key' if meta.get('gateway_skip_parse') else ''}), nginx "
         f"{v['nginx'] or 'absent'} (client_body_buffer_size "
         f"{meta.get('nginx_body_buffer', '2m')}), sglang-router "
         f"{v['sglang_router'] or 'absent'}, wrk {v['wrk'] or 'absent'}.",

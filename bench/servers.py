@@ -243,7 +243,14 @@ def router_proxy(tmp: Path, kind: str, upstream_port: int, cpus: str | None) -> 
 
 
 def gateway_proxy(
-    tmp: Path, kind: str, upstream_port: int, cpus: str | None, *, workers: int, label: str
+    tmp: Path,
+    kind: str,
+    upstream_port: int,
+    cpus: str | None,
+    *,
+    workers: int,
+    label: str,
+    skip_parse: bool = False,
 ) -> Proc:
     port = common.free_port()
     admin = common.free_port()
@@ -256,6 +263,7 @@ backends:
   static: [http://127.0.0.1:{upstream_port}]
 timeouts: {{shutdown_grace_s: 1}}
 logging: {{level: warning, access_log: false}}
+policy: {{skip_parse_without_mask_key: {"true" if skip_parse else "false"}}}
 """
     )
     argv = [*gateway_argv(), "--config", str(cfg)]
