@@ -116,17 +116,19 @@ def may_hold_mask_key(body: bytes) -> bool:
     would be simpler, but CPython searches a two-byte needle about 60 times slower than it
     finds one byte with memchr: 0.6 ms against 0.01 ms on a 600 KB body.)
     """
-    if _MASK_KEY in body:
-        return True
+    # Escapes first: a body rich in them is read anyway, without also searching for the key.
     find = body.find
     at = find(_BACKSLASH)
     for _ in range(_MAX_ESCAPES_WALKED):
         if at < 0:
-            return False
+            break
         if at + 1 < len(body) and body[at + 1] == _U:
             return True
         at = find(_BACKSLASH, at + 2)
-    return at >= 0  # still more escapes: read it rather than walk on
+    else:
+        if at >= 0:
+            return True  # still more escapes: read it rather than walk on
+    return _MASK_KEY in body
 
 
 def inspect_body(
