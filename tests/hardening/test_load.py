@@ -323,6 +323,9 @@ async def test_concurrent_long_sse_streams(stub: StubBackend, make_gateway: Gate
 async def test_1000_concurrent_long_sse_streams(
     stub: StubBackend, make_gateway: GatewayFactory
 ) -> None:
-    gw = await make_gateway(stub.url, logging={"access_log": False})
+    # Above the default per-backend cap of 1,024: this measures memory per stream, not the cap.
+    gw = await make_gateway(
+        stub.url, logging={"access_log": False}, backends={"max_inflight_per_backend": 2000}
+    )
     figures = await concurrent_streams(stub, gw, streams=1200, events=100, delay_ms=100)
     assert figures["per_stream_kib"] < 200
