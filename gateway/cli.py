@@ -173,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 worker=args.worker_index is not None,
             )
         )
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         log.error("cannot start: %s", exc)
         return 1
     return 0

@@ -274,7 +274,16 @@ class AuthConfig(_Model):
                 raise ValueError(f"{name} {path!r} is not a readable file")
         if self.upstream_authorization and self.upstream_authorization_file:
             raise ValueError("set upstream_authorization or upstream_authorization_file, not both")
+        if self.upstream_authorization and not header_safe(
+            self.upstream_authorization.get_secret_value()
+        ):
+            raise ValueError("upstream_authorization must be one line without control characters")
         return self
+
+
+def header_safe(value: str) -> bool:
+    """A value the gateway may put in an HTTP header line: no CR, LF or other controls."""
+    return value.isprintable()
 
 
 class LoggingConfig(_Model):

@@ -20,17 +20,18 @@ from typing import Final
 
 import aiohttp
 from aiohttp import web
-from yarl import URL
+from aiohttp.http_exceptions import HttpProcessingError
 
 from gateway import errors
 from gateway.auth import ApiKeys, read_keys_file
 from gateway.backends import Backend, BackendPool
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, header_safe
 from gateway.headers import REQUEST_ID, ForwardingPolicy, valid_request_id
 from gateway.inspection import check_headers, inspect_body
 from gateway.observe import Exchange, Observer
 from gateway.policy import MaskPolicy, Rejection
 from gateway.routes import Family, Route, RouteTable, canonical_path
+from gateway.upstream import ConnectFailed, Upstream, UpstreamResponse
 
 log = logging.getLogger("gateway.proxy")
 
@@ -83,7 +84,9 @@ class ProxySettings:
     attempts: int
     queue_timeout: float
     hash_header: str | None
-    timeout: aiohttp.ClientTimeout  # sock_read is the time-to-first-byte bound
+    connect_s: float
+    ttfb_s: float  # the wait for the response head (a long prompt's prefill)
+    total_s: float | None  # the whole exchange, body included
     idle_s: float
     skip_parse: bool  # forward bodies that cannot hold the mask key without parsing
     auth: ApiKeys | None  # None: no client authentication
@@ -91,7 +94,8 @@ class ProxySettings:
 
     @classmethod
     def from_config(cls, cfg: GatewayConfig) -> ProxySettings:
-        """Build the settings; reads the key files, so an unreadable one raises OSError."""
+        """Build the settings; reads the key files, so an unreadable one raises OSError and
+        an unusable upstream Authorization file ValueError."""
         a = cfg.auth
         keys = None
         if a.enabled:
@@ -102,6 +106,11 @@ class ProxySettings:
         )
         if a.upstream_authorization_file:
             upstream_auth = Path(a.upstream_authorization_file).read_text(encoding="utf-8").strip()
+            if not header_safe(upstream_auth):
+                raise ValueError(
+                    f"{a.upstream_authorization_file}: the upstream Authorization value must be "
+                    "one line without control characters"
+                )
         mask = cfg.policy.sampling_mask
         t = cfg.timeouts
         b = cfg.backends
@@ -124,9 +133,9 @@ class ProxySettings:
             attempts=b.connect_attempts,
             queue_timeout=b.queue_timeout_s,
             hash_header=b.hash_header if b.balancer == "consistent_hash" else None,
-            timeout=aiohttp.ClientTimeout(
-                total=t.total_s, connect=t.connect_s, sock_connect=t.connect_s, sock_read=t.ttfb_s
-            ),
+            connect_s=t.connect_s,
+            ttfb_s=t.ttfb_s,
+            total_s=t.total_s,
             idle_s=t.idle_s,
             skip_parse=cfg.policy.skip_parse_without_mask_key,
             auth=keys,
@@ -140,12 +149,12 @@ class Proxy:
     def __init__(
         self,
         settings: ProxySettings,
-        session: aiohttp.ClientSession,
+        upstream: Upstream,
         pool: BackendPool,
         observers: Sequence[Observer] = (),
     ) -> None:
         self.settings = settings
-        self._session = session
+        self._upstream = upstream
         self._pool = pool
         self._observers = tuple(observers)
         self._slot_waiters: deque[asyncio.Future[None]] = deque()
@@ -428,33 +437,33 @@ class Proxy:
             backend.inflight += 1
             try:
                 try:
-                    upstream = await self._session.request(
+                    upstream = await self._upstream.request(
+                        backend.url,
                         request.method,
-                        URL(backend.url + raw_path, encoded=True),
-                        data=data,
-                        headers=headers,
-                        allow_redirects=False,
-                        timeout=s.timeout,
+                        raw_path,
+                        headers,
+                        data,
+                        connect_s=s.connect_s,
+                        ttfb_s=s.ttfb_s,
+                        total_s=s.total_s,
                     )
-                except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+                except ConnectFailed as exc:
                     # Nothing reached the backend: safe to try another one.
-                    self._pool.connect_failed(backend, type(exc).__name__)
+                    self._pool.connect_failed(backend, exc.cause)
                     ex.connect_failed = (*ex.connect_failed, backend.url)
-                    ex.detail = f"connect failed: {type(exc).__name__}"
+                    ex.detail = f"connect failed: {exc.cause}"
                     continue
                 except TimeoutError:
                     return self._upstream_failed(ex, route.family, 504, "upstream_timeout")
-                except aiohttp.ClientError as exc:
+                except (aiohttp.ClientError, HttpProcessingError) as exc:
                     # The request went out and the backend dropped it: never replay a
                     # generation that may have started.
                     ex.detail = type(exc).__name__
                     return self._upstream_failed(ex, route.family, 502, "upstream_error")
                 self._pool.response(backend, upstream.status)
-                conn = upstream.connection
-                if conn is not None and conn.protocol is not None:
-                    # Headers are in: from now on bound the silence between chunks, not the
-                    # (much longer) wait for the first byte.
-                    conn.protocol.read_timeout = s.idle_s
+                # Headers are in: from now on bound the silence between chunks, not the
+                # (much longer) wait for the first byte.
+                upstream.set_idle_timeout(s.idle_s)
                 return await self._relay(request, upstream, ex)
             finally:
                 self._release(backend)
@@ -471,7 +480,7 @@ class Proxy:
         return self._reply(ex, status, errors.render(family, status, message), outcome)
 
     async def _relay(
-        self, request: web.BaseRequest, upstream: aiohttp.ClientResponse, ex: Exchange
+        self, request: web.BaseRequest, upstream: UpstreamResponse, ex: Exchange
     ) -> web.StreamResponse:
         ex.first_byte = time.perf_counter()
         ex.status = upstream.status
@@ -483,7 +492,9 @@ class Proxy:
             cls = _CoalescingResponse if length is not None else web.StreamResponse
             resp = cls(status=upstream.status, reason=upstream.reason)
             resp_headers = resp.headers
-            for name, value in ForwardingPolicy.downstream(upstream.headers.items(), ex.request_id):
+            for name, value in ForwardingPolicy.downstream(
+                upstream.message.headers.items(), ex.request_id
+            ):
                 resp_headers.add(name, value)
             try:
                 await resp.prepare(request)

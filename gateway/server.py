@@ -31,6 +31,7 @@ from gateway.metrics import FleetCollector, Metrics
 from gateway.observe import AccessLog, Observer
 from gateway.proxy import BUFFERED_BODY_MAX, Proxy, ProxySettings
 from gateway.routes import Family
+from gateway.upstream import Upstream
 from gateway.workers import report_ready
 
 log = logging.getLogger("gateway.server")
@@ -83,8 +84,20 @@ class _Server(web.Server):
         return _RequestHandler(self, loop=self._loop, **self._kwargs)
 
 
+def make_upstream(cfg: GatewayConfig) -> Upstream:
+    """The request path's pooled upstream client."""
+    return Upstream(
+        # Shorter than uvicorn's 5 s idle timeout, so the gateway never sends a request on a
+        # pooled connection the backend is closing (the keep-alive race).
+        keepalive_s=cfg.timeouts.upstream_keepalive_s,
+        read_bufsize=_UPSTREAM_READ_BUFSIZE,
+        max_line_size=cfg.limits.max_header_bytes,
+        max_field_size=cfg.limits.max_header_bytes,
+    )
+
+
 def make_session(cfg: GatewayConfig) -> aiohttp.ClientSession:
-    """The one pooled upstream client of a gateway instance."""
+    """The client for health probes and discovery (the request path has its own)."""
     t = cfg.timeouts
     connector = aiohttp.TCPConnector(
         # The per-backend in-flight cap (one connection per request) is the real bound.
@@ -135,6 +148,7 @@ class Gateway:
         self.reloads = 0
         self.reload_failures = 0
         self._session: aiohttp.ClientSession | None = None
+        self._upstream: Upstream | None = None
         self._runner: web.ServerRunner | None = None
         self._admin_runner: web.AppRunner | None = None
         self._watch_task: asyncio.Task[None] | None = None
@@ -164,8 +178,9 @@ class Gateway:
         observers: list[Observer] = [self.metrics]
         if cfg.logging.access_log:
             observers.append(AccessLog(cfg.logging.format))
+        self._upstream = make_upstream(cfg)
         self.proxy = Proxy(
-            ProxySettings.from_config(cfg), self._session, self.fleet.pool, observers
+            ProxySettings.from_config(cfg), self._upstream, self.fleet.pool, observers
         )
 
         server = _Server(
@@ -243,7 +258,7 @@ class Gateway:
             assert self.proxy is not None
             try:
                 settings = await asyncio.to_thread(ProxySettings.from_config, cfg)
-            except OSError as exc:
+            except (OSError, ValueError) as exc:
                 self.reload_failures += 1
                 log.error("reload refused, keeping the running config: %s", exc)
                 return False
@@ -286,6 +301,9 @@ class Gateway:
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
             self._admin_runner = None
+        if self._upstream is not None:
+            self._upstream.close()
+            self._upstream = None
         if self._session is not None:
             await self._session.close()
             self._session = None

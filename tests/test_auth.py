@@ -13,6 +13,7 @@ import pytest
 from gateway import auth as auth_mod
 from gateway import config as config_mod
 from gateway.auth import ApiKeys
+from gateway.proxy import ProxySettings
 from gateway.server import Gateway
 from gateway.stub import StubBackend
 from tests.conftest import GatewayFactory, gw_url, last_proxied
@@ -170,3 +171,28 @@ async def test_check_config_never_prints_keys() -> None:
     )
     dumped = cfg.model_dump_json()
     assert "sk-visible?" not in dumped and "Bearer x1" not in dumped
+
+
+@pytest.mark.parametrize("value", ["Bearer a\r\nX-Injected: 1", "Bearer a\nb", "Bearer \x00"])
+def test_upstream_credentials_with_control_characters_are_a_config_error(value: str) -> None:
+    # The value goes into the upstream request head: a newline would inject a header.
+    with pytest.raises(config_mod.ConfigError, match="one line"):
+        config_mod.build(
+            {
+                "backends": {"static": ["http://127.0.0.1:1"]},
+                "auth": {"upstream_authorization": value},
+            }
+        )
+
+
+async def test_upstream_credentials_file_of_two_lines_is_refused(tmp_path: Path) -> None:
+    secret = tmp_path / "upstream"
+    secret.write_text("Bearer one\nX-Injected: 1\n")
+    cfg = config_mod.build(
+        {
+            "backends": {"static": ["http://127.0.0.1:1"]},
+            "auth": {"upstream_authorization_file": str(secret)},
+        }
+    )
+    with pytest.raises(ValueError, match="one line"):
+        ProxySettings.from_config(cfg)

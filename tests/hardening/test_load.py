@@ -27,13 +27,10 @@ JSON = {"Content-Type": "application/json"}
 
 
 def pooled(gw: Gateway) -> tuple[int, int]:
-    """(idle pooled, acquired) upstream connections of the gateway's session."""
-    session = gw._session
-    assert session is not None
-    connector = session.connector
-    assert isinstance(connector, aiohttp.TCPConnector)
-    idle = sum(len(conns) for conns in connector._conns.values())
-    return idle, len(connector._acquired)
+    """(idle pooled, acquired) upstream connections of the gateway's request path."""
+    upstream = gw._upstream
+    assert upstream is not None
+    return upstream.pool_state()
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,302 @@
+"""The proxy's upstream HTTP/1.1 client: pooled keep-alive connections, one write per request.
+
+aiohttp's ClientSession does much per request that a proxy forwarding bytes has no use for
+(URL objects, cookie jar, auto headers, payload registry, tracing, request and response
+objects): about a quarter of the gateway's CPU on small requests. This client keeps
+aiohttp's response side, its connection protocol (`client_proto.ResponseHandler`: the C
+HTTP parser, flow control towards the socket, read timeouts), and replaces the rest: the
+request head is built as one string and written with the body in one call, and idle
+connections are pooled per backend here. Health probes and discovery still use a
+ClientSession; they are not on the request path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from typing import Final
+from urllib.parse import urlsplit
+
+from aiohttp.client_proto import ResponseHandler
+from aiohttp.http_parser import RawResponseMessage
+from aiohttp.streams import StreamReader
+
+_CRLF: Final = "\r\n"
+_NO_BODY_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
+
+
+class ConnectFailed(Exception):
+    """Nothing reached the backend, so the request may be tried on another one."""
+
+    def __init__(self, cause: str) -> None:
+        super().__init__(cause)
+        self.cause = cause
+
+
+def build_head(
+    method: str, target: str, headers: list[tuple[str, str]], host: str, body: bytes | None
+) -> bytes:
+    """The request line and header block: Host added where the client sent none, and a
+    Content-Length for the bytes that follow (or 0 where a method implies a body).
+
+    Header names and values come from aiohttp's parser or from the gateway itself; a CR or
+    LF in any of them (a config value, say) would split the head, so the line count is
+    checked once on the whole string rather than per value.
+    """
+    parts = [method, " ", target, " HTTP/1.1\r\n"]
+    has_host = False
+    for name, value in headers:
+        parts += (name, ": ", value, _CRLF)
+        if not has_host and name.lower() == "host":
+            has_host = True
+    lines = len(headers) + 2
+    if not has_host:
+        parts += ("Host: ", host, _CRLF)
+        lines += 1
+    if body is not None:
+        parts += ("Content-Length: ", str(len(body)), _CRLF, _CRLF)
+    elif method in _NO_BODY_METHODS:
+        parts.append(_CRLF)
+    else:
+        parts.append("Content-Length: 0\r\n\r\n")
+    if body is not None or method not in _NO_BODY_METHODS:
+        lines += 1
+    text = "".join(parts)
+    if text.count("\n") != lines or text.count("\r") != lines:
+        raise ValueError("a header name or value contains CR or LF")
+    # surrogateescape: bytes aiohttp's parser decoded that way go out as they came in.
+    return text.encode("utf-8", "surrogateescape")
+
+
+class _Endpoint:
+    __slots__ = ("host", "host_header", "idle", "port", "ssl")
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        assert parts.hostname is not None and parts.port is not None  # normalised by config
+        self.host = parts.hostname
+        self.port = parts.port
+        self.host_header = parts.netloc
+        self.ssl: ssl.SSLContext | None = (
+            ssl.create_default_context() if parts.scheme == "https" else None
+        )
+        # (protocol, loop time after which it is too old to reuse); newest on the right.
+        self.idle: deque[tuple[ResponseHandler, float]] = deque()
+
+
+class UpstreamResponse:
+    """A response whose head has arrived; `content` streams its body."""
+
+    __slots__ = ("_deadline", "_endpoint", "_owner", "_proto", "content", "message")
+
+    def __init__(
+        self,
+        owner: Upstream,
+        endpoint: _Endpoint,
+        proto: ResponseHandler,
+        *,
+        message: RawResponseMessage,
+        content: StreamReader,
+        deadline: asyncio.TimerHandle | None,
+    ) -> None:
+        self._owner = owner
+        self._endpoint = endpoint
+        self._proto: ResponseHandler | None = proto
+        self._deadline = deadline
+        self.message = message
+        self.content = content
+
+    @property
+    def status(self) -> int:
+        return self.message.code
+
+    @property
+    def reason(self) -> str:
+        return self.message.reason
+
+    @property
+    def content_length(self) -> int | None:
+        value = self.message.headers.get("Content-Length")
+        return int(value) if value is not None and value.isdigit() else None
+
+    def set_idle_timeout(self, seconds: float | None) -> None:
+        """From now on bound the silence between chunks, not the wait for the head."""
+        if self._proto is not None:
+            self._proto.read_timeout = seconds
+
+    def release(self) -> None:
+        """The body was read to its end: keep the connection for the next request."""
+        proto = self._take()
+        if proto is not None:
+            self._owner.put_idle(self._endpoint, proto)
+
+    def close(self) -> None:
+        """Close the connection, which is what tells SGLang to abort the generation."""
+        proto = self._take()
+        if proto is not None:
+            proto.close()
+
+    def _take(self) -> ResponseHandler | None:
+        proto, self._proto = self._proto, None
+        if proto is not None:
+            self._owner.active -= 1
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        return proto
+
+
+class Upstream:
+    """Keep-alive connections to the backends, reused newest first."""
+
+    def __init__(
+        self,
+        *,
+        keepalive_s: float,
+        read_bufsize: int,
+        max_line_size: int,
+        max_field_size: int,
+    ) -> None:
+        self._keepalive_s = keepalive_s
+        self._read_bufsize = read_bufsize
+        self._max_line_size = max_line_size
+        self._max_field_size = max_field_size
+        self._endpoints: dict[str, _Endpoint] = {}
+        self._closed = False
+        self._sweeper: asyncio.TimerHandle | None = None
+        self.active = 0  # connections carrying a request or its response
+
+    def pool_state(self) -> tuple[int, int]:
+        """(idle pooled connections, active ones): for leak checks."""
+        return sum(len(e.idle) for e in self._endpoints.values()), self.active
+
+    async def request(
+        self,
+        url: str,
+        method: str,
+        target: str,
+        headers: list[tuple[str, str]],
+        body: bytes | None,
+        *,
+        connect_s: float,
+        ttfb_s: float | None,
+        total_s: float | None,
+    ) -> UpstreamResponse:
+        """Send one request and wait for its response head.
+
+        Raises ConnectFailed when no connection could be made (nothing was sent), TimeoutError
+        when the head did not come within ttfb_s (or total_s), and aiohttp's ClientError or
+        HttpProcessingError when the backend broke the exchange after it was sent.
+        """
+        endpoint = self._endpoints.get(url)
+        if endpoint is None:
+            endpoint = self._endpoints[url] = _Endpoint(url)
+        loop = asyncio.get_running_loop()
+        proto = self._take_idle(endpoint, loop.time())
+        if proto is None:
+            proto = await self._connect(endpoint, loop, connect_s)
+        self.active += 1
+        head = build_head(method, target, headers, endpoint.host_header, body)
+        deadline = None
+        try:
+            proto.set_response_params(
+                skip_payload=method == "HEAD",
+                read_until_eof=True,
+                auto_decompress=False,
+                read_timeout=ttfb_s,
+                read_bufsize=self._read_bufsize,
+                max_line_size=self._max_line_size,
+                max_field_size=self._max_field_size,
+            )
+            transport = proto.transport
+            assert transport is not None
+            if body:
+                transport.writelines((head, body))
+            else:
+                transport.write(head)
+            proto.start_timeout()
+            if total_s is not None:
+                # The same error a read timeout raises, for the head or for the body.
+                deadline = loop.call_later(total_s, proto._on_read_timeout)
+            while True:
+                message, content = await proto.read()
+                # 1xx answers are interim; the real response follows on the connection.
+                if not 100 <= message.code <= 199 or message.code == 101:
+                    break
+        except BaseException:
+            if deadline is not None:
+                deadline.cancel()
+            self.active -= 1
+            proto.close()
+            raise
+        return UpstreamResponse(
+            self, endpoint, proto, message=message, content=content, deadline=deadline
+        )
+
+    async def _connect(
+        self, endpoint: _Endpoint, loop: asyncio.AbstractEventLoop, connect_s: float
+    ) -> ResponseHandler:
+        try:
+            async with asyncio.timeout(connect_s):
+                _, proto = await loop.create_connection(
+                    lambda: ResponseHandler(loop),
+                    endpoint.host,
+                    endpoint.port,
+                    ssl=endpoint.ssl,
+                    server_hostname=endpoint.host if endpoint.ssl is not None else None,
+                )
+        except TimeoutError:
+            raise ConnectFailed("ConnectionTimeoutError") from None
+        except OSError as exc:  # refused, unreachable, DNS, TLS
+            raise ConnectFailed("ClientConnectorError") from exc
+        return proto
+
+    def _take_idle(self, endpoint: _Endpoint, now: float) -> ResponseHandler | None:
+        idle = endpoint.idle
+        while idle:
+            proto, expires = idle.pop()
+            if expires > now and proto.is_connected():
+                return proto
+            proto.close()
+        return None
+
+    def put_idle(self, endpoint: _Endpoint, proto: ResponseHandler) -> None:
+        if self._closed or proto.should_close or not proto.is_connected():
+            proto.close()
+            return
+        now = asyncio.get_running_loop().time()
+        _retire(endpoint.idle, now)
+        endpoint.idle.append((proto, now + self._keepalive_s))
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().call_later(self._keepalive_s, self._sweep)
+
+    def _sweep(self) -> None:
+        """Close connections left idle past the keep-alive time, so a quiet gateway holds
+        no sockets for long; runs while any connection is pooled."""
+        self._sweeper = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        pooled = False
+        for endpoint in self._endpoints.values():
+            _retire(endpoint.idle, now)
+            pooled = pooled or bool(endpoint.idle)
+        if pooled and not self._closed:
+            self._sweeper = loop.call_later(self._keepalive_s / 2, self._sweep)
+
+    def close(self) -> None:
+        """Close every idle connection; in-flight ones are closed by their handlers."""
+        self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        for endpoint in self._endpoints.values():
+            while endpoint.idle:
+                endpoint.idle.pop()[0].close()
+
+
+def _retire(idle: deque[tuple[ResponseHandler, float]], now: float) -> None:
+    """Close pooled connections that are too old or closed, oldest first: the gateway retires
+    them before the backend's own idle timeout can close one under a new request."""
+    while idle and (idle[0][1] <= now or not idle[0][0].is_connected()):
+        idle.popleft()[0].close()

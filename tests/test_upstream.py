@@ -1,0 +1,233 @@
+"""The request path's upstream client (gateway/upstream.py), against raw servers on 127.0.0.1.
+
+The proxy tests exercise it end to end; these pin down what a scripted server can show
+directly: the bytes of the request head, connection reuse and retirement, interim 1xx
+answers, the whole-exchange deadline and connect failures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from gateway.upstream import ConnectFailed, Upstream, build_head
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class RawServer:
+    """Answers each request on a connection with the script; records heads and connections."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.connections = 0
+        self.closed = 0
+        self.heads: list[bytes] = []
+        self.port = 0
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> RawServer:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                self.heads.append(head)
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        await reader.readexactly(int(line.split(b":")[1]))
+                await self.script(reader, writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.closed += 1
+            writer.close()
+
+
+async def answer_ok(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    writer.write(OK)
+    await writer.drain()
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[Upstream]:
+    client = Upstream(
+        keepalive_s=0.3, read_bufsize=1 << 16, max_line_size=8190, max_field_size=8190
+    )
+    yield client
+    client.close()
+
+
+async def get(client: Upstream, url: str, **kw: object) -> tuple[int, bytes]:
+    resp = await client.request(
+        url,
+        str(kw.get("method", "POST")),
+        "/generate",
+        [("Content-Type", "application/json")],
+        b"{}" if kw.get("body", True) else None,
+        connect_s=2,
+        ttfb_s=2,
+        total_s=kw.get("total_s"),  # type: ignore[arg-type]
+    )
+    try:
+        body = await resp.content.read()
+    except BaseException:
+        resp.close()
+        raise
+    resp.release()
+    return resp.status, body
+
+
+# -- the request head ---------------------------------------------------------------------------
+
+
+def test_head_adds_host_and_content_length() -> None:
+    head = build_head("POST", "/generate?x=1", [("Accept", "*/*")], "10.0.0.1:30000", b"abc")
+    assert head == (
+        b"POST /generate?x=1 HTTP/1.1\r\nAccept: */*\r\nHost: 10.0.0.1:30000\r\n"
+        b"Content-Length: 3\r\n\r\n"
+    )
+
+
+def test_head_keeps_the_clients_host_and_sends_no_length_without_a_body() -> None:
+    head = build_head("GET", "/health", [("host", "gw.example")], "10.0.0.1:30000", None)
+    assert head == b"GET /health HTTP/1.1\r\nhost: gw.example\r\n\r\n"
+    # A body method without a body still says so, as aiohttp's client did.
+    assert b"Content-Length: 0\r\n\r\n" in build_head("POST", "/", [], "h:1", None)
+
+
+@pytest.mark.parametrize("bad", ["a\r\nX-Injected: 1", "a\nb", "a\rb"])
+def test_head_refuses_cr_or_lf_in_a_value(bad: str) -> None:
+    with pytest.raises(ValueError, match="CR or LF"):
+        build_head("POST", "/generate", [("Authorization", bad)], "h:1", b"")
+
+
+def test_head_sends_undecodable_header_bytes_back_as_they_came() -> None:
+    # aiohttp's parser decodes header bytes with surrogateescape; they go out unchanged.
+    value = b"caf\xe9".decode("utf-8", "surrogateescape")
+    assert b"X-Name: caf\xe9\r\n" in build_head("GET", "/", [("X-Name", value)], "h:1", None)
+
+
+# -- connections --------------------------------------------------------------------------------
+
+
+async def test_connection_is_reused_then_retired_after_keepalive(upstream: Upstream) -> None:
+    async with RawServer(answer_ok) as server:
+        assert await get(upstream, server.url) == (200, b"ok")
+        assert await get(upstream, server.url) == (200, b"ok")
+        assert server.connections == 1
+        assert upstream.pool_state() == (1, 0)
+        # Idle past keepalive_s: the sweep closes it without any new request.
+        for _ in range(50):
+            await asyncio.sleep(0.05)
+            if server.closed == 1:
+                break
+        assert server.closed == 1 and upstream.pool_state() == (0, 0)
+        assert await get(upstream, server.url) == (200, b"ok")
+        assert server.connections == 2
+
+
+async def test_connection_close_answer_is_not_pooled(upstream: Upstream) -> None:
+    async def answer_and_close(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+
+    async with RawServer(answer_and_close) as server:
+        assert await get(upstream, server.url) == (200, b"ok")
+        assert upstream.pool_state() == (0, 0)
+        assert await get(upstream, server.url) == (200, b"ok")
+        assert server.connections == 2
+
+
+async def test_interim_1xx_answers_are_skipped(upstream: Upstream) -> None:
+    async def interim_then_ok(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: x\r\n\r\n")
+        writer.write(OK)
+        await writer.drain()
+
+    async with RawServer(interim_then_ok) as server:
+        assert await get(upstream, server.url) == (200, b"ok")
+        assert await get(upstream, server.url) == (200, b"ok")  # and the connection is sane
+        assert server.connections == 1
+
+
+async def test_the_request_bytes_on_the_wire(upstream: Upstream) -> None:
+    async with RawServer(answer_ok) as server:
+        await get(upstream, server.url)
+        await get(upstream, server.url, method="GET", body=False)
+    assert server.heads == [
+        b"POST /generate HTTP/1.1\r\nContent-Type: application/json\r\n"
+        + f"Host: 127.0.0.1:{server.port}\r\nContent-Length: 2\r\n\r\n".encode(),
+        b"GET /generate HTTP/1.1\r\nContent-Type: application/json\r\n"
+        + f"Host: 127.0.0.1:{server.port}\r\n\r\n".encode(),
+    ]
+
+
+async def test_total_deadline_breaks_a_slow_body(upstream: Upstream) -> None:
+    async def trickle(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n")
+        for _ in range(100):
+            writer.write(b"x")
+            await writer.drain()
+            await asyncio.sleep(0.02)
+
+    async with RawServer(trickle) as server:
+        with pytest.raises(TimeoutError):
+            await get(upstream, server.url, total_s=0.3)
+        await asyncio.sleep(0.1)
+        assert server.closed == 1  # the connection was closed, not pooled
+    assert upstream.pool_state() == (0, 0)
+
+
+async def test_refused_connection_is_a_connect_failure(upstream: Upstream) -> None:
+    async with RawServer(answer_ok) as server:
+        url = server.url
+    with pytest.raises(ConnectFailed) as caught:
+        await get(upstream, url)
+    assert caught.value.cause == "ClientConnectorError"
+    assert upstream.pool_state() == (0, 0)
+
+
+async def test_a_pooled_connection_the_backend_closed_is_not_reused(upstream: Upstream) -> None:
+    async def answer_then_hang_up(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(OK)
+        await writer.drain()
+        writer.close()
+
+    async with RawServer(answer_then_hang_up) as server:
+        assert await get(upstream, server.url) == (200, b"ok")
+        await asyncio.sleep(0.1)  # the FIN arrives while the connection sits in the pool
+        assert await get(upstream, server.url) == (200, b"ok")
+        assert server.connections == 2
+
+
+async def test_close_drops_idle_connections() -> None:
+    client = Upstream(keepalive_s=30, read_bufsize=1 << 16, max_line_size=8190, max_field_size=8190)
+    async with RawServer(answer_ok) as server:
+        await get(client, server.url)
+        assert client.pool_state() == (1, 0)
+        client.close()
+        assert client.pool_state() == (0, 0)
+        with contextlib.suppress(Exception):
+            for _ in range(20):
+                await asyncio.sleep(0.05)
+                if server.closed:
+                    break
+        assert server.closed == 1
