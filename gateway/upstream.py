@@ -69,6 +69,13 @@ def build_head(
     return text.encode("utf-8", "surrogateescape")
 
 
+class _Connection(ResponseHandler):
+    """aiohttp's client protocol, remembering how its parser was set up: the C parser reads
+    one response after another, so a kept-alive connection need not build a new one."""
+
+    head_only: bool | None = None  # None: no parser yet
+
+
 class _Endpoint:
     __slots__ = ("host", "host_header", "idle", "port", "ssl")
 
@@ -82,7 +89,7 @@ class _Endpoint:
             ssl.create_default_context() if parts.scheme == "https" else None
         )
         # (protocol, loop time after which it is too old to reuse); newest on the right.
-        self.idle: deque[tuple[ResponseHandler, float]] = deque()
+        self.idle: deque[tuple[_Connection, float]] = deque()
 
 
 class UpstreamResponse:
@@ -94,7 +101,7 @@ class UpstreamResponse:
         self,
         owner: Upstream,
         endpoint: _Endpoint,
-        proto: ResponseHandler,
+        proto: _Connection,
         *,
         message: RawResponseMessage,
         content: StreamReader,
@@ -102,7 +109,7 @@ class UpstreamResponse:
     ) -> None:
         self._owner = owner
         self._endpoint = endpoint
-        self._proto: ResponseHandler | None = proto
+        self._proto: _Connection | None = proto
         self._deadline = deadline
         self.message = message
         self.content = content
@@ -137,7 +144,7 @@ class UpstreamResponse:
         if proto is not None:
             proto.close()
 
-    def _take(self) -> ResponseHandler | None:
+    def _take(self) -> _Connection | None:
         proto, self._proto = self._proto, None
         if proto is not None:
             self._owner.active -= 1
@@ -200,15 +207,20 @@ class Upstream:
         head = build_head(method, target, headers, endpoint.host_header, body)
         deadline = None
         try:
-            proto.set_response_params(
-                skip_payload=method == "HEAD",
-                read_until_eof=True,
-                auto_decompress=False,
-                read_timeout=ttfb_s,
-                read_bufsize=self._read_bufsize,
-                max_line_size=self._max_line_size,
-                max_field_size=self._max_field_size,
-            )
+            head_only = method == "HEAD"
+            if proto.head_only is head_only:
+                proto.read_timeout = ttfb_s
+            else:
+                proto.set_response_params(
+                    skip_payload=head_only,
+                    read_until_eof=True,
+                    auto_decompress=False,
+                    read_timeout=ttfb_s,
+                    read_bufsize=self._read_bufsize,
+                    max_line_size=self._max_line_size,
+                    max_field_size=self._max_field_size,
+                )
+                proto.head_only = head_only
             transport = proto.transport
             assert transport is not None
             if body:
@@ -236,11 +248,11 @@ class Upstream:
 
     async def _connect(
         self, endpoint: _Endpoint, loop: asyncio.AbstractEventLoop, connect_s: float
-    ) -> ResponseHandler:
+    ) -> _Connection:
         try:
             async with asyncio.timeout(connect_s):
                 _, proto = await loop.create_connection(
-                    lambda: ResponseHandler(loop),
+                    lambda: _Connection(loop),
                     endpoint.host,
                     endpoint.port,
                     ssl=endpoint.ssl,
@@ -252,7 +264,7 @@ class Upstream:
             raise ConnectFailed("ClientConnectorError") from exc
         return proto
 
-    def _take_idle(self, endpoint: _Endpoint, now: float) -> ResponseHandler | None:
+    def _take_idle(self, endpoint: _Endpoint, now: float) -> _Connection | None:
         idle = endpoint.idle
         while idle:
             proto, expires = idle.pop()
@@ -261,7 +273,7 @@ class Upstream:
             proto.close()
         return None
 
-    def put_idle(self, endpoint: _Endpoint, proto: ResponseHandler) -> None:
+    def put_idle(self, endpoint: _Endpoint, proto: _Connection) -> None:
         if self._closed or proto.should_close or not proto.is_connected():
             proto.close()
             return
@@ -295,7 +307,7 @@ class Upstream:
                 endpoint.idle.pop()[0].close()
 
 
-def _retire(idle: deque[tuple[ResponseHandler, float]], now: float) -> None:
+def _retire(idle: deque[tuple[_Connection, float]], now: float) -> None:
     """Close pooled connections that are too old or closed, oldest first: the gateway retires
     them before the backend's own idle timeout can close one under a new request."""
     while idle and (idle[0][1] <= now or not idle[0][0].is_connected()):

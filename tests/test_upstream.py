@@ -231,3 +231,23 @@ async def test_close_drops_idle_connections() -> None:
                 if server.closed:
                     break
         assert server.closed == 1
+
+
+async def test_head_and_body_answers_alternate_on_one_connection(upstream: Upstream) -> None:
+    """A HEAD answer announces a length it never sends: the parser must know, per request."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head_request = server.heads[-1].startswith(b"HEAD ")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n")
+        if not head_request:
+            writer.write(b"ok")
+        await writer.drain()
+
+    server = RawServer(answer)
+    async with server:
+        for method in ("GET", "HEAD", "HEAD", "GET", "POST", "HEAD"):
+            status, body = await asyncio.wait_for(
+                get(upstream, server.url, method=method, body=False), 2
+            )
+            assert (status, body) == (200, b"" if method == "HEAD" else b"ok"), method
+        assert server.connections == 1
