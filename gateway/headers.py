@@ -40,6 +40,9 @@ _REQUEST_DROP: Final = HOP_BY_HOP | {
 _RESPONSE_DROP: Final = HOP_BY_HOP | {"x-request-id"}
 
 REQUEST_ID: Final = "X-Request-Id"
+# On the gateway's own replies, and on relayed ones whose backend named no server: aiohttp
+# would otherwise announce itself with its and Python's versions.
+SERVER: Final = ("Server", "sglang-gateway")
 # A client-chosen id is kept only if it is short and plain, since it lands in logs and headers.
 _REQUEST_ID_OK: Final = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}\Z")
 

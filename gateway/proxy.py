@@ -26,7 +26,7 @@ from gateway import errors
 from gateway.auth import ApiKeys, read_keys_file
 from gateway.backends import Backend, BackendPool
 from gateway.config import GatewayConfig, header_safe
-from gateway.headers import REQUEST_ID, ForwardingPolicy, valid_request_id
+from gateway.headers import REQUEST_ID, SERVER, ForwardingPolicy, valid_request_id
 from gateway.inspection import check_headers, inspect_body
 from gateway.observe import Exchange, Observer
 from gateway.policy import MaskPolicy, Rejection
@@ -343,6 +343,7 @@ class Proxy:
         ex.bytes_out = len(body)
         resp = web.Response(status=status, body=body, content_type=_JSON)
         resp.headers[REQUEST_ID] = ex.request_id
+        resp.headers[SERVER[0]] = SERVER[1]
         if close:
             # The unread rest of the body would otherwise be parsed as the next request.
             resp.force_close()
@@ -496,6 +497,7 @@ class Proxy:
                 upstream.message.headers.items(), ex.request_id
             ):
                 resp_headers.add(name, value)
+            resp_headers.setdefault(*SERVER)
             try:
                 await resp.prepare(request)
             except ConnectionError:

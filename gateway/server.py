@@ -27,6 +27,7 @@ from gateway.backends import BackendPool
 from gateway.config import ConfigError, GatewayConfig
 from gateway.discovery import Resolver
 from gateway.fleet import Fleet
+from gateway.headers import SERVER
 from gateway.metrics import FleetCollector, Metrics
 from gateway.observe import AccessLog, Observer
 from gateway.proxy import BUFFERED_BODY_MAX, Proxy, ProxySettings
@@ -75,6 +76,7 @@ class _RequestHandler(RequestHandler):
             phrase = "Error"
         body = errors.render(Family.PLAIN, status, phrase)
         resp = web.Response(status=status, body=body, content_type="application/json")
+        resp.headers[SERVER[0]] = SERVER[1]
         resp.force_close()
         return resp
 

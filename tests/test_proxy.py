@@ -82,6 +82,7 @@ async def test_unbounded_mask_rejected_in_route_shape(
     assert status == 400
     assert headers["Content-Type"].startswith("application/json")
     assert headers["X-Request-Id"]
+    assert headers["Server"] == "sglang-gateway"  # not aiohttp's name and version
     got = orjson.loads(raw)
     if shape == "generate":
         assert got == {"error": {"message": MASK_MESSAGE}}

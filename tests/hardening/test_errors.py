@@ -18,7 +18,7 @@ from gateway.server import Gateway
 from gateway.stub import StubBackend
 from tests.conftest import GatewayFactory, gw_url
 from tests.hardening.checks import assert_no_internals
-from tests.hardening.rawnet import parse_responses, raw_exchange
+from tests.hardening.rawnet import FaultBackend, parse_responses, raw_exchange
 
 JSON = {"Content-Type": "application/json"}
 MASK = orjson.dumps({"text": "x", "return_sampling_mask": True})
@@ -162,7 +162,27 @@ async def test_protocol_errors_name_no_internals(
     raw = await raw_exchange(gw.port, request_bytes, timeout=3)
     (resp,) = parse_responses(raw)
     assert resp.status in (400, 431)
+    assert resp.headers["server"] == "sglang-gateway"  # not aiohttp's name and version
     assert_no_internals(resp.body, addresses=[stub.url])
     assert b"s3cr3t" not in resp.body and b"qqqq" not in resp.body
     assert orjson.loads(resp.body)
     assert stub.generation_requests() == []
+
+
+async def test_relayed_replies_keep_the_backends_server_header_or_name_the_gateway(
+    stub: StubBackend, make_gateway: GatewayFactory
+) -> None:
+    backend = FaultBackend(mode="ok")  # answers without a Server header
+    await backend.start()
+    try:
+        gw = await make_gateway(stub.url, backend.url, backends={"balancer": "round_robin"})
+        servers = set()
+        async with aiohttp.ClientSession() as s:
+            for _ in range(4):
+                async with s.post(gw_url(gw, "/generate"), data=b'{"text":"x"}', headers=JSON) as r:
+                    assert r.status == 200
+                    servers.add(r.headers.getall("Server")[0] if "Server" in r.headers else None)
+        stub_server = next(s for s in servers if s != "sglang-gateway")
+        assert servers == {"sglang-gateway", stub_server}  # the stub's own passes through
+    finally:
+        await backend.stop()
