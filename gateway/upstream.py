@@ -142,7 +142,7 @@ class UpstreamResponse:
         """Close the connection, which is what tells SGLang to abort the generation."""
         proto = self._take()
         if proto is not None:
-            proto.close()
+            _shut(proto)
 
     def _take(self) -> _Connection | None:
         proto, self._proto = self._proto, None
@@ -240,7 +240,7 @@ class Upstream:
             if deadline is not None:
                 deadline.cancel()
             self.active -= 1
-            proto.close()
+            _shut(proto)
             raise
         return UpstreamResponse(
             self, endpoint, proto, message=message, content=content, deadline=deadline
@@ -274,8 +274,17 @@ class Upstream:
         return None
 
     def put_idle(self, endpoint: _Endpoint, proto: _Connection) -> None:
-        if self._closed or proto.should_close or not proto.is_connected():
-            proto.close()
+        transport = proto.transport
+        if (
+            self._closed
+            or proto.should_close
+            or transport is None
+            or transport.is_closing()
+            # The backend answered before taking the whole request body: what is still
+            # queued would be read as the start of the next request on this connection.
+            or transport.get_write_buffer_size()
+        ):
+            _shut(proto)
             return
         now = asyncio.get_running_loop().time()
         _retire(endpoint.idle, now)
@@ -312,3 +321,13 @@ def _retire(idle: deque[tuple[_Connection, float]], now: float) -> None:
     them before the backend's own idle timeout can close one under a new request."""
     while idle and (idle[0][1] <= now or not idle[0][0].is_connected()):
         idle.popleft()[0].close()
+
+
+def _shut(proto: _Connection) -> None:
+    """Close a connection now. A plain close waits until queued bytes are sent, which a
+    backend that stopped reading the request body would never allow: reset it instead."""
+    transport = proto.transport
+    if transport is not None and transport.get_write_buffer_size():
+        proto.abort()
+    else:
+        proto.close()

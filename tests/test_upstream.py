@@ -251,3 +251,38 @@ async def test_head_and_body_answers_alternate_on_one_connection(upstream: Upstr
             )
             assert (status, body) == (200, b"" if method == "HEAD" else b"ok"), method
         assert server.connections == 1
+
+
+async def test_an_answer_before_the_whole_body_was_taken_retires_the_connection(
+    upstream: Upstream,
+) -> None:
+    """The backend answers from the head alone and never reads the 16 MB body: the rest of
+    it is still queued, so the connection must not carry the next request."""
+    connections = 0
+    done = asyncio.Event()
+
+    async def answer_unread(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(OK)
+        await writer.drain()
+        await done.wait()  # keeps the connection open, reading nothing more
+        writer.close()
+
+    server = await asyncio.start_server(answer_unread, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        big = b"x" * (16 << 20)
+        for _ in range(2):
+            resp = await upstream.request(
+                url, "POST", "/generate", [], big, connect_s=2, ttfb_s=2, total_s=None
+            )
+            assert resp.status == 200 and await resp.content.read() == b"ok"
+            resp.release()
+            assert upstream.pool_state() == (0, 0)
+        assert connections == 2
+    finally:
+        done.set()
+        server.close()
+        await server.wait_closed()

@@ -126,8 +126,8 @@ MUTATIONS = [
     (
         "replay after send (any failure counted as a connect failure)",
         "gateway/upstream.py",
-        "            self.active -= 1\n            proto.close()\n            raise\n",
-        "            self.active -= 1\n            proto.close()\n            raise ConnectFailed('replayed')\n",
+        "            self.active -= 1\n            _shut(proto)\n            raise\n",
+        "            self.active -= 1\n            _shut(proto)\n            raise ConnectFailed('replayed')\n",
         [
             "tests/hardening/test_faults.py::test_reset_after_send_is_never_replayed_even_with_spare_backends"
         ],
