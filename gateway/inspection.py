@@ -64,14 +64,23 @@ def check_headers(content_type: str | None, content_encoding: str | None) -> Rej
     return None
 
 
+# Below this size orjson's full parse is cheaper than simdjson's setup (0.5 against 2.3 us
+# at 300 B; they cross between 2 and 5 KB), and a tree of a small body costs little.
+_VIEW_MIN_BYTES: Final = 4096
+
+
 def parse_object(body: bytes, kind: Kind | None = None) -> dict[str, Any] | Rejection:
     """orjson's reading of a body, which must be a JSON object.
 
-    With a kind, only the fields that kind's policy check reads are converted to Python
-    objects (gateway/jsonview.py); the whole body is still validated, exactly as orjson would.
+    With a kind, a body of 4 KB or more has only the fields that kind's policy check reads
+    converted to Python objects (gateway/jsonview.py); the whole body is still validated,
+    exactly as orjson would.
     """
     try:
-        obj = orjson.loads(body) if kind is None else read_view(body, READS.get(kind), SHAPE_ONLY)
+        if kind is None or len(body) < _VIEW_MIN_BYTES:
+            obj = orjson.loads(body)
+        else:
+            obj = read_view(body, READS.get(kind), SHAPE_ONLY)
     except orjson.JSONDecodeError as exc:
         # Where, in plain words; the parser's own message goes to the log only.
         return Rejection(
