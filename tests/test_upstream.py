@@ -286,3 +286,23 @@ async def test_an_answer_before_the_whole_body_was_taken_retires_the_connection(
         done.set()
         server.close()
         await server.wait_closed()
+
+
+async def test_ipv6_backend(upstream: Upstream) -> None:
+    heads: list[bytes] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        heads.append(await reader.readuntil(b"\r\n\r\n"))
+        await reader.readexactly(2)
+        writer.write(OK)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "::1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        assert await get(upstream, f"http://[::1]:{port}") == (200, b"ok")
+        assert f"Host: [::1]:{port}\r\n".encode() in heads[0]
+    finally:
+        server.close()
+        await server.wait_closed()
