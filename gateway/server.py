@@ -102,24 +102,20 @@ def make_session(cfg: GatewayConfig) -> aiohttp.ClientSession:
     """The client for health probes and discovery (the request path has its own)."""
     t = cfg.timeouts
     connector = aiohttp.TCPConnector(
-        # The per-backend in-flight cap (one connection per request) is the real bound.
         limit=0,
         limit_per_host=0,
-        # Shorter than uvicorn's 5 s idle timeout, so the gateway never sends a request on a
-        # pooled connection the backend is closing (the keep-alive race).
+        # Below uvicorn's 5 s idle timeout, like the request path's pool: a probe never
+        # goes out on a connection the backend is closing.
         keepalive_timeout=t.upstream_keepalive_s,
         ttl_dns_cache=10,
     )
     return aiohttp.ClientSession(
         connector=connector,
-        # Per-request timeouts come from ProxySettings; this default only covers probes.
+        # A default only: health probes and discovery calls set their own timeouts.
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s, sock_read=t.ttfb_s),
-        # Forward exactly what the client sent: no added Accept, Accept-Encoding,
-        # User-Agent or Content-Type, and no inflating of compressed responses.
         skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
         auto_decompress=False,
         cookie_jar=aiohttp.DummyCookieJar(),
-        read_bufsize=_UPSTREAM_READ_BUFSIZE,
         max_line_size=cfg.limits.max_header_bytes,
         max_field_size=cfg.limits.max_header_bytes,
     )
