@@ -111,7 +111,8 @@ def make_session(cfg: GatewayConfig) -> aiohttp.ClientSession:
     )
     return aiohttp.ClientSession(
         connector=connector,
-        # A default only: health probes and discovery calls set their own timeouts.
+        # Health probes and the Kubernetes watch set their own timeouts; the Kubernetes list
+        # call runs under this default.
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s, sock_read=t.ttfb_s),
         skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
         auto_decompress=False,
