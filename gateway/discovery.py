@@ -168,8 +168,12 @@ class KubernetesApi:
         label_selector: str,
         token_file: str | None,
         ca_file: str | None,
+        list_timeout_s: float = 30.0,
     ) -> None:
         self._session = session
+        # A list is one bounded JSON reply; a hung API server must not hold discovery for the
+        # session's default read timeout (ttfb_s, meant for prefill).
+        self._list_timeout = aiohttp.ClientTimeout(total=list_timeout_s)
         self._base = (
             f"{api_server.rstrip('/')}/apis/discovery.k8s.io/v1"
             f"/namespaces/{namespace}/endpointslices"
@@ -191,11 +195,21 @@ class KubernetesApi:
 
     async def list(self) -> tuple[list[dict[str, Any]], str]:
         params = {"labelSelector": self._selector}
-        async with self._session.get(
-            self._base, params=params, headers=await self._headers(), ssl=self._ssl
-        ) as resp:
-            resp.raise_for_status()
-            body = orjson.loads(await resp.read())
+        try:
+            async with self._session.get(
+                self._base,
+                params=params,
+                headers=await self._headers(),
+                ssl=self._ssl,
+                timeout=self._list_timeout,
+            ) as resp:
+                resp.raise_for_status()
+                body = orjson.loads(await resp.read())
+        except TimeoutError as exc:
+            # An error to count and back off from, not the watch's periodic-relist timeout.
+            raise OSError(
+                f"EndpointSlice list timed out after {self._list_timeout.total} s"
+            ) from exc
         return list(body.get("items") or []), str(body["metadata"].get("resourceVersion", ""))
 
     async def watch(

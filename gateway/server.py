@@ -111,8 +111,7 @@ def make_session(cfg: GatewayConfig) -> aiohttp.ClientSession:
     )
     return aiohttp.ClientSession(
         connector=connector,
-        # Health probes and the Kubernetes watch set their own timeouts; the Kubernetes list
-        # call runs under this default.
+        # A default only: health probes and the Kubernetes list and watch set their own.
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s, sock_read=t.ttfb_s),
         skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
         auto_decompress=False,

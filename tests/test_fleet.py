@@ -16,6 +16,7 @@ from aiohttp import web
 
 from gateway import config as config_mod
 from gateway.backends import Health
+from gateway.discovery import KubernetesApi
 from gateway.server import Gateway
 from gateway.stub import StubBackend
 from tests.conftest import GatewayFactory, admin_url, gw_url, wait_for
@@ -277,6 +278,7 @@ class FakeKubernetesApi:
         self.lists = 0
         self.auth: list[str | None] = []
         self.selectors: list[str] = []
+        self.hang_lists = False  # a wedged API server: lists never answer
 
     def endpoint_slice(
         self, name: str, endpoints: list[tuple[str, bool | None]], port: int
@@ -304,6 +306,8 @@ class FakeKubernetesApi:
         self.selectors.append(request.query.get("labelSelector", ""))
         if request.query.get("watch") != "1":
             self.lists += 1
+            if self.hang_lists:
+                await asyncio.sleep(3600)
             return web.json_response(
                 {
                     "metadata": {"resourceVersion": str(self.version)},
@@ -373,6 +377,40 @@ async def test_kubernetes_discovery_tracks_ready_endpoints(
         await runner.cleanup()
         for s in stubs:
             await s.stop()
+
+
+async def test_kubernetes_list_is_bounded_and_a_timeout_counts_as_an_error() -> None:
+    """A wedged API server fails the list within its own bound (not ttfb_s, 900 s), as an
+    error discovery counts and backs off from rather than a silent relist loop."""
+    api = FakeKubernetesApi()
+    app = web.Application()
+    app.router.add_get("/apis/discovery.k8s.io/v1/namespaces/llm/endpointslices", api.handler)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        async with aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_read=900)
+        ) as http:
+            client = KubernetesApi(
+                http,
+                api_server=url,
+                namespace="llm",
+                label_selector="app=sglang",
+                token_file=None,
+                ca_file=None,
+                list_timeout_s=0.3,
+            )
+            assert await client.list() == ([], "1")
+            api.hang_lists = True
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            with pytest.raises(OSError, match="timed out"):
+                await client.list()
+            assert loop.time() - started < 2
+    finally:
+        await runner.cleanup()
 
 
 async def test_in_flight_request_on_a_removed_backend_finishes(
