@@ -77,17 +77,16 @@ class _Connection(ResponseHandler):
 
 
 class _Endpoint:
-    __slots__ = ("host", "host_header", "idle", "port", "ssl")
+    __slots__ = ("host", "host_header", "idle", "port", "tls", "url")
 
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
         assert parts.hostname is not None and parts.port is not None  # normalised by config
+        self.url = url
         self.host = parts.hostname
         self.port = parts.port
         self.host_header = parts.netloc
-        self.ssl: ssl.SSLContext | None = (
-            ssl.create_default_context() if parts.scheme == "https" else None
-        )
+        self.tls = parts.scheme == "https"
         # (protocol, loop time after which it is too old to reuse); newest on the right.
         self.idle: deque[tuple[_Connection, float]] = deque()
 
@@ -169,10 +168,18 @@ class Upstream:
         self._read_bufsize = read_bufsize
         self._max_line_size = max_line_size
         self._max_field_size = max_field_size
+        # Only backends with pooled connections stay here (the sweep drops the rest), so
+        # pods that come and go under discovery do not pile up over the gateway's life.
         self._endpoints: dict[str, _Endpoint] = {}
+        self._tls: ssl.SSLContext | None = None  # one context for every https backend
         self._closed = False
         self._sweeper: asyncio.TimerHandle | None = None
         self.active = 0  # connections carrying a request or its response
+
+    @property
+    def known_backends(self) -> int:
+        """Backends with pooled connections or a request under way since the last sweep."""
+        return len(self._endpoints)
 
     def pool_state(self) -> tuple[int, int]:
         """(idle pooled connections, active ones): for leak checks."""
@@ -199,6 +206,7 @@ class Upstream:
         endpoint = self._endpoints.get(url)
         if endpoint is None:
             endpoint = self._endpoints[url] = _Endpoint(url)
+            self._schedule_sweep()  # drops it again if no connection ever gets pooled
         loop = asyncio.get_running_loop()
         proto = self._take_idle(endpoint, loop.time())
         if proto is None:
@@ -255,14 +263,19 @@ class Upstream:
                     lambda: _Connection(loop),
                     endpoint.host,
                     endpoint.port,
-                    ssl=endpoint.ssl,
-                    server_hostname=endpoint.host if endpoint.ssl is not None else None,
+                    ssl=self._tls_context() if endpoint.tls else None,
+                    server_hostname=endpoint.host if endpoint.tls else None,
                 )
         except TimeoutError:
             raise ConnectFailed("ConnectionTimeoutError") from None
         except OSError as exc:  # refused, unreachable, DNS, TLS
             raise ConnectFailed("ClientConnectorError") from exc
         return proto
+
+    def _tls_context(self) -> ssl.SSLContext:
+        if self._tls is None:
+            self._tls = ssl.create_default_context()
+        return self._tls
 
     def _take_idle(self, endpoint: _Endpoint, now: float) -> _Connection | None:
         idle = endpoint.idle
@@ -286,23 +299,28 @@ class Upstream:
         ):
             _shut(proto)
             return
+        # The sweep may have dropped this endpoint while the request ran: file it again.
+        endpoint = self._endpoints.setdefault(endpoint.url, endpoint)
         now = asyncio.get_running_loop().time()
         _retire(endpoint.idle, now)
         endpoint.idle.append((proto, now + self._keepalive_s))
-        if self._sweeper is None:
+        self._schedule_sweep()
+
+    def _schedule_sweep(self) -> None:
+        if self._sweeper is None and not self._closed:
             self._sweeper = asyncio.get_running_loop().call_later(self._keepalive_s, self._sweep)
 
     def _sweep(self) -> None:
         """Close connections left idle past the keep-alive time, so a quiet gateway holds
-        no sockets for long; runs while any connection is pooled."""
+        no sockets for long, and forget backends with none left; runs while any is known."""
         self._sweeper = None
         loop = asyncio.get_running_loop()
         now = loop.time()
-        pooled = False
-        for endpoint in self._endpoints.values():
+        for url, endpoint in list(self._endpoints.items()):
             _retire(endpoint.idle, now)
-            pooled = pooled or bool(endpoint.idle)
-        if pooled and not self._closed:
+            if not endpoint.idle:
+                del self._endpoints[url]
+        if self._endpoints and not self._closed:
             self._sweeper = loop.call_later(self._keepalive_s / 2, self._sweep)
 
     def close(self) -> None:

@@ -140,8 +140,20 @@ async def test_connection_is_reused_then_retired_after_keepalive(upstream: Upstr
             if server.closed == 1:
                 break
         assert server.closed == 1 and upstream.pool_state() == (0, 0)
+        # Nor is the backend itself remembered: pods come and go under discovery.
+        assert upstream.known_backends == 0
         assert await get(upstream, server.url) == (200, b"ok")
-        assert server.connections == 2
+        assert server.connections == 2 and upstream.known_backends == 1
+
+
+async def test_a_backend_that_never_answered_is_forgotten(upstream: Upstream) -> None:
+    async with RawServer(answer_ok) as server:
+        url = server.url
+    with pytest.raises(ConnectFailed):
+        await get(upstream, url)
+    assert upstream.known_backends == 1
+    await asyncio.sleep(0.5)  # past keepalive_s (0.3 s): the sweep runs without any pool
+    assert upstream.known_backends == 0
 
 
 async def test_connection_close_answer_is_not_pooled(upstream: Upstream) -> None:
