@@ -79,7 +79,28 @@ class SystemResolver:
         return [str(info[4][0]) for info in infos]
 
 
-class DnsDiscovery:
+class _Publishing:
+    """The set of backends a discovery last published, and its counters."""
+
+    def __init__(self) -> None:
+        self._last: tuple[str, ...] | None = None
+        self.updates = 0
+        self.errors = 0
+
+    def _offer(self, urls: set[str], publish: Publish) -> bool:
+        """Publish the set if it changed; False (nothing published) if it is empty, since an
+        empty answer is far likelier a fault than a fleet scaled to zero."""
+        if not urls:
+            return False
+        ordered = tuple(sorted(urls))
+        if ordered != self._last:
+            self._last = ordered
+            self.updates += 1
+            publish(ordered)
+        return True
+
+
+class DnsDiscovery(_Publishing):
     """Every A/AAAA record of a name is a backend (a Kubernetes headless Service)."""
 
     name = "dns"
@@ -98,9 +119,7 @@ class DnsDiscovery:
         self._scheme = scheme
         self._interval = interval_s
         self._resolver = resolver or SystemResolver()
-        self._last: tuple[str, ...] | None = None
-        self.updates = 0
-        self.errors = 0
+        super().__init__()
 
     async def resolve_once(self, publish: Publish) -> None:
         try:
@@ -108,14 +127,9 @@ class DnsDiscovery:
         except (OSError, UnicodeError) as exc:
             self._failed(f"resolution failed: {exc}")
             return
-        urls = tuple(sorted({backend_url(self._scheme, a, self._port) for a in addresses}))
-        if not urls:
+        urls = {backend_url(self._scheme, a, self._port) for a in addresses}
+        if not self._offer(urls, publish):
             self._failed("empty answer")
-            return
-        if urls != self._last:
-            self._last = urls
-            self.updates += 1
-            publish(urls)
 
     def _failed(self, why: str) -> None:
         self.errors += 1
@@ -236,7 +250,7 @@ class KubernetesApi:
                     yield str(event.get("type")), event.get("object") or {}
 
 
-class KubernetesDiscovery:
+class KubernetesDiscovery(_Publishing):
     """Ready endpoints of the EndpointSlices matching a label selector.
 
     A full list, then a watch for changes; the watch ends every `resync_s` and a fresh
@@ -262,23 +276,15 @@ class KubernetesDiscovery:
         self._resync = resync_s
         self._retry = retry_s
         self._slices: dict[str, list[str]] = {}
-        self._last: tuple[str, ...] | None = None
-        self.updates = 0
-        self.errors = 0
+        super().__init__()
 
     def _urls(self, item: dict[str, Any]) -> list[str]:
         return slice_urls(item, scheme=self._scheme, port=self._port, port_name=self._port_name)
 
     def _publish(self, publish: Publish) -> None:
-        urls = tuple(sorted({u for urls in self._slices.values() for u in urls}))
-        if not urls:
+        if not self._offer({u for urls in self._slices.values() for u in urls}, publish):
             self.errors += 1
             log.warning("kubernetes: no ready endpoints; keeping the last good set")
-            return
-        if urls != self._last:
-            self._last = urls
-            self.updates += 1
-            publish(urls)
 
     async def sync_once(self, publish: Publish) -> str:
         items, version = await self._api.list()
