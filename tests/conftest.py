@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -91,6 +92,13 @@ def admin_url(gw: Gateway, path: str = "") -> str:
 
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A port that was free a moment ago, for a process that must be told its port up front."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 async def spawn(module: str, *args: str, **kwargs: Any) -> asyncio.subprocess.Process:

@@ -8,8 +8,6 @@ import contextlib
 import logging
 import re
 import signal
-import socket
-import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +21,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.config import TimeoutsConfig
 from gateway.server import Gateway
 from gateway.stub import StubBackend
-from tests.conftest import GatewayFactory, abandon_generate, admin_url, gw_url, wait_for
+from tests.conftest import (
+    GatewayFactory,
+    abandon_generate,
+    admin_url,
+    free_port,
+    gw_url,
+    spawn,
+    wait_for,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 JSON = {"Content-Type": "application/json"}
@@ -671,12 +677,6 @@ async def test_no_prompt_or_credentials_in_logs(
         assert rid in everything
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextlib.asynccontextmanager
 async def cli_gateway(tmp_path: Path, *args: str) -> AsyncIterator[tuple[int, Path, Path]]:
     """The real entry point (`python -m gateway`) with its real log set-up; yields the
@@ -685,9 +685,7 @@ async def cli_gateway(tmp_path: Path, *args: str) -> AsyncIterator[tuple[int, Pa
     port, admin = free_port(), free_port()
     out_path, err_path = tmp_path / "out", tmp_path / "err"
     with out_path.open("wb") as out, err_path.open("wb") as err:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
+        proc = await spawn(
             "gateway",
             "--host",
             "127.0.0.1",
@@ -696,7 +694,6 @@ async def cli_gateway(tmp_path: Path, *args: str) -> AsyncIterator[tuple[int, Pa
             "--admin-port",
             str(admin),
             *args,
-            cwd=ROOT,
             stdout=out,
             stderr=err,
         )

@@ -4,20 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 
 import aiohttp
 import orjson
 
 from gateway.stub import StubBackend
 from gateway.workers import merge_metrics
-from tests.conftest import spawn
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.conftest import free_port, spawn
 
 
 def test_merge_labels_each_worker() -> None:
