@@ -16,6 +16,7 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, seed, settings
 
+from gateway.inspection import inspect_body
 from gateway.jsonview import Head, read_view
 from gateway.policy import READS, SHAPE_ONLY, MaskPolicy
 from gateway.routes import Kind, RouteTable
@@ -281,3 +282,27 @@ def test_parser_is_reused_and_a_huge_body_gets_its_own() -> None:
 def test_vertex_reads_everything() -> None:
     body = b'{"instances":[{"input_ids":[1,2]}],"parameters":{"top_k":5},"x":1}'
     assert read_view(body, READS[Kind.VERTEX], SHAPE_ONLY) == orjson.loads(body)
+
+
+PAD = b'{"pad":"' + b"x" * 5000 + b'",'
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b for b in EDGE_CASES if b.startswith(b"{") and not b.startswith(b"{}")],
+    ids=lambda b: repr(b[:40]),
+)
+def test_large_bodies_through_inspection_are_refused_exactly_when_orjson_refuses(
+    body: bytes,
+) -> None:
+    """Contract rule 1 on the path bodies of 4 KB and more take (the view, not orjson):
+    padded past the threshold, each edge case is a 400 exactly when orjson cannot read it."""
+    padded = PAD + body[1:]
+    assert len(padded) >= 4096
+    readable, _ = _orjson(padded)
+    for kind in KINDS:
+        rejection = inspect_body(kind, padded, POLICY)
+        if not readable:
+            assert rejection is not None and rejection.reason == "invalid_json", kind
+        else:
+            assert rejection is None or rejection.reason != "invalid_json", kind
