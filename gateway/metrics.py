@@ -337,6 +337,11 @@ class _FleetView(Protocol):
     def discovery(self) -> _DiscoveryStats | None: ...
 
 
+class _UpstreamStats(Protocol):
+    unsolicited: int
+    local_errors: int
+
+
 class _GatewayView(Protocol):
     reloads: int
     reload_failures: int
@@ -344,6 +349,9 @@ class _GatewayView(Protocol):
 
     @property
     def fleet(self) -> _FleetView: ...
+
+    @property
+    def upstream_stats(self) -> _UpstreamStats | None: ...
 
 
 class FleetCollector(Collector):
@@ -376,4 +384,17 @@ class FleetCollector(Collector):
         yield reloads
         yield GaugeMetricFamily(
             p + "draining", "1 while shutting down.", value=1.0 if self._gw.draining else 0.0
+        )
+        up = self._gw.upstream_stats
+        yield CounterMetricFamily(
+            p + "upstream_unsolicited",
+            "Upstream connections closed because the backend sent bytes (or closed) while no "
+            "response was expected; such bytes never reach a client.",
+            value=float(up.unsolicited if up is not None else 0),
+        )
+        yield CounterMetricFamily(
+            p + "upstream_local_errors",
+            "Upstream connects that failed for want of a local resource (EMFILE, ENFILE, "
+            "ENOBUFS): the gateway's fault, never counted against a backend.",
+            value=float(up.local_errors if up is not None else 0),
         )

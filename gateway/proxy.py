@@ -31,7 +31,7 @@ from gateway.inspection import check_headers, inspect_body
 from gateway.observe import Exchange, Observer
 from gateway.policy import MaskPolicy, Rejection
 from gateway.routes import Family, Route, RouteTable, canonical_path
-from gateway.upstream import ConnectFailed, Upstream, UpstreamResponse
+from gateway.upstream import ConnectFailed, Upstream, UpstreamBroken, UpstreamResponse
 
 log = logging.getLogger("gateway.proxy")
 
@@ -360,11 +360,12 @@ class Proxy:
 
     def _unavailable(self, ex: Exchange, family: Family, outcome: str) -> web.Response:
         status = 503
-        message = (
-            "All backends are at their concurrency limit; retry later."
-            if outcome == "no_capacity"
-            else "No healthy backend is available; retry later."
-        )
+        if outcome == "no_capacity":
+            message = "All backends are at their concurrency limit; retry later."
+        elif outcome == "gateway_overloaded":
+            message = "The gateway is out of resources for new upstream connections; retry later."
+        else:
+            message = "No healthy backend is available; retry later."
         resp = self._reply(ex, status, errors.render(family, status, message), outcome)
         resp.headers["Retry-After"] = "1"
         return resp
@@ -449,6 +450,12 @@ class Proxy:
                         total_s=s.total_s,
                     )
                 except ConnectFailed as exc:
+                    if exc.local:
+                        # Out of descriptors or buffers: the gateway's own fault. Blaming the
+                        # backend would eject healthy ones in turn; another would fare no better.
+                        log.warning("request %s: cannot connect upstream: %s", ex.request_id, exc)
+                        ex.detail = f"local resource: {exc.cause}"
+                        return self._unavailable(ex, route.family, "gateway_overloaded")
                     # Nothing reached the backend: safe to try another one.
                     self._pool.connect_failed(backend, exc.cause)
                     ex.connect_failed = (*ex.connect_failed, backend.url)
@@ -456,7 +463,7 @@ class Proxy:
                     continue
                 except TimeoutError:
                     return self._upstream_failed(ex, route.family, 504, "upstream_timeout")
-                except (aiohttp.ClientError, HttpProcessingError) as exc:
+                except (UpstreamBroken, aiohttp.ClientError, HttpProcessingError) as exc:
                     # The request went out and the backend dropped it: never replay a
                     # generation that may have started.
                     ex.detail = type(exc).__name__

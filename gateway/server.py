@@ -159,6 +159,10 @@ class Gateway:
     def pool(self) -> BackendPool:
         return self.fleet.pool
 
+    @property
+    def upstream_stats(self) -> Upstream | None:
+        return self._upstream
+
     def readiness(self) -> tuple[bool, str]:
         if self.draining:
             return False, "draining"

@@ -13,8 +13,10 @@ ClientSession; they are not on the request path.
 from __future__ import annotations
 
 import asyncio
+import errno
 import ssl
 from collections import deque
+from collections.abc import Callable
 from typing import Final
 from urllib.parse import urlsplit
 
@@ -24,14 +26,30 @@ from aiohttp.streams import StreamReader
 
 _CRLF: Final = "\r\n"
 _NO_BODY_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
+# Interim (1xx) responses accepted before the final one. RFC 9110 sets no limit, but every
+# real server sends at most a few (100 Continue, 103 Early Hints); each one costs a parse and
+# a queued message, so a backend that streams them without end would stall the loop.
+MAX_INTERIM_RESPONSES: Final = 16
+# A local resource exhausted: the gateway's own fault, never the backend's (see ConnectFailed).
+_LOCAL_ERRNOS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 class ConnectFailed(Exception):
-    """Nothing reached the backend, so the request may be tried on another one."""
+    """Nothing reached the backend, so the request may be tried on another one.
 
-    def __init__(self, cause: str) -> None:
+    `local` is set when the cause is the gateway's own (out of descriptors or buffers):
+    then the backend is not to blame, and no other backend would fare better.
+    """
+
+    def __init__(self, cause: str, *, local: bool = False) -> None:
         super().__init__(cause)
         self.cause = cause
+        self.local = local
+
+
+class UpstreamBroken(Exception):
+    """The request went out and the backend's answer is unusable (not HTTP, an upgrade the
+    gateway does not relay, endless interim responses): never replayed elsewhere."""
 
 
 def build_head(
@@ -70,10 +88,83 @@ def build_head(
 
 
 class _Connection(ResponseHandler):
-    """aiohttp's client protocol, remembering how its parser was set up: the C parser reads
-    one response after another, so a kept-alive connection need not build a new one."""
+    """aiohttp's client protocol, remembering how its parser was set up (the C parser reads
+    one response after another, so a kept-alive connection need not build a new one), and
+    holding each connection to one rule: the backend speaks only when asked.
+
+    HTTP/1.1 has no request ids: a response is matched to a request only by its place on
+    the connection. Bytes that arrive while no response is expected (on an idle pooled
+    connection, or after a response ended) would be read as the answer to the next request
+    sent on it, and every later answer would belong to the request before. So such bytes are
+    never parsed: they mark the connection unusable and close it, and so does an EOF while
+    idle. What cannot be told apart is a stray response that lands after a request went out;
+    then the real answer arrives unasked and closes the connection, so at most that one
+    request is affected, never the ones after it.
+    """
 
     head_only: bool | None = None  # None: no parser yet
+    # Set from the request write until its response body ended (or its head, for no body).
+    expecting = False
+    final_head = False  # the final (non-1xx) head of the current request was delivered
+    interim = 0
+    unsolicited = False  # bytes or EOF arrived unasked: never reuse
+    on_unsolicited: Callable[[], None] | None = None
+
+    def begin(self) -> None:
+        self.expecting = True
+        self.final_head = False
+        self.interim = 0
+
+    def _refuse(self) -> None:
+        if not self.unsolicited:
+            self.unsolicited = True
+            if self.on_unsolicited is not None:
+                self.on_unsolicited()
+        transport = self.transport
+        if transport is not None:
+            transport.abort()
+
+    def data_received(self, data: bytes) -> None:
+        # aiohttp calls this with b"" itself when it resumes reading: not the backend's doing.
+        if data and not self.expecting:
+            self._refuse()
+            return
+        super().data_received(data)
+
+    def eof_received(self) -> None:
+        if not self.expecting:
+            self.unsolicited = True  # a FIN on an idle connection: the backend closed it
+        super().eof_received()
+
+    def feed_data(self, data: tuple[RawResponseMessage, StreamReader], size: int = 0) -> None:
+        """Each response head the parser completes, before it is queued for the reader."""
+        if self.final_head:
+            # A second response to one request (the parser found it in the same read as the
+            # first one's end): it answers nothing, and whatever comes next is suspect.
+            self._refuse()
+            return
+        code = data[0].code
+        if 100 <= code <= 199 and code != 101:
+            self.interim += 1
+            if self.interim > MAX_INTERIM_RESPONSES:
+                self.set_exception(UpstreamBroken("too many interim responses"))
+                transport = self.transport
+                if transport is not None:
+                    transport.abort()
+                return
+        else:
+            self.final_head = True
+            payload = data[1]
+            # The response ends with its body; from then on the backend has nothing to say.
+            payload.on_eof(self._response_ended)
+        super().feed_data(data, size)
+
+    def _response_ended(self) -> None:
+        self.expecting = False
+
+    @property
+    def reusable(self) -> bool:
+        return not self.unsolicited and not self._buffer and self.is_connected()
 
 
 class _Endpoint:
@@ -175,6 +266,10 @@ class Upstream:
         self._closed = False
         self._sweeper: asyncio.TimerHandle | None = None
         self.active = 0  # connections carrying a request or its response
+        # Connections closed because the backend sent bytes no request asked for.
+        self.unsolicited = 0
+        # Connects that failed for want of a local resource (EMFILE, ENFILE, ENOBUFS).
+        self.local_errors = 0
 
     @property
     def known_backends(self) -> int:
@@ -200,8 +295,9 @@ class Upstream:
         """Send one request and wait for its response head.
 
         Raises ConnectFailed when no connection could be made (nothing was sent), TimeoutError
-        when the head did not come within ttfb_s (or total_s), and aiohttp's ClientError or
-        HttpProcessingError when the backend broke the exchange after it was sent.
+        when the head did not come within ttfb_s (or total_s), and UpstreamBroken, aiohttp's
+        ClientError or HttpProcessingError when the backend broke the exchange after it was
+        sent.
         """
         endpoint = self._endpoints.get(url)
         if endpoint is None:
@@ -231,6 +327,7 @@ class Upstream:
                 proto.head_only = head_only
             transport = proto.transport
             assert transport is not None
+            proto.begin()
             if body:
                 transport.writelines((head, body))
             else:
@@ -241,8 +338,12 @@ class Upstream:
                 deadline = loop.call_later(total_s, proto._on_read_timeout)
             while True:
                 message, content = await proto.read()
+                if message.code == 101:
+                    # The gateway relays HTTP/1.1 only; going on after a protocol switch
+                    # would read the new protocol's bytes as HTTP.
+                    raise UpstreamBroken("the backend switched protocols (101)")
                 # 1xx answers are interim; the real response follows on the connection.
-                if not 100 <= message.code <= 199 or message.code == 101:
+                if not 100 <= message.code <= 199:
                     break
         except BaseException:
             if deadline is not None:
@@ -268,9 +369,16 @@ class Upstream:
                 )
         except TimeoutError:
             raise ConnectFailed("ConnectionTimeoutError") from None
-        except OSError as exc:  # refused, unreachable, DNS, TLS
+        except OSError as exc:  # refused, unreachable, DNS, TLS; or out of descriptors
+            if exc.errno in _LOCAL_ERRNOS:
+                self.local_errors += 1
+                raise ConnectFailed(errno.errorcode[exc.errno], local=True) from exc
             raise ConnectFailed("ClientConnectorError") from exc
+        proto.on_unsolicited = self._count_unsolicited
         return proto
+
+    def _count_unsolicited(self) -> None:
+        self.unsolicited += 1
 
     def _tls_context(self) -> ssl.SSLContext:
         if self._tls is None:
@@ -281,9 +389,9 @@ class Upstream:
         idle = endpoint.idle
         while idle:
             proto, expires = idle.pop()
-            if expires > now and proto.is_connected():
+            if expires > now and proto.reusable:
                 return proto
-            proto.close()
+            _shut(proto)
         return None
 
     def put_idle(self, endpoint: _Endpoint, proto: _Connection) -> None:
@@ -291,6 +399,8 @@ class Upstream:
         if (
             self._closed
             or proto.should_close
+            or not proto.reusable
+            or proto.expecting  # the body was not read to its end
             or transport is None
             or transport.is_closing()
             # The backend answered before taking the whole request body: what is still
@@ -337,8 +447,8 @@ class Upstream:
 def _retire(idle: deque[tuple[_Connection, float]], now: float) -> None:
     """Close pooled connections that are too old or closed, oldest first: the gateway retires
     them before the backend's own idle timeout can close one under a new request."""
-    while idle and (idle[0][1] <= now or not idle[0][0].is_connected()):
-        idle.popleft()[0].close()
+    while idle and (idle[0][1] <= now or not idle[0][0].reusable):
+        _shut(idle.popleft()[0])
 
 
 def _shut(proto: _Connection) -> None:
