@@ -353,6 +353,9 @@ class _GatewayView(Protocol):
     @property
     def upstream_stats(self) -> _UpstreamStats | None: ...
 
+    @property
+    def refused_requests(self) -> dict[int, int]: ...
+
 
 class FleetCollector(Collector):
     """Counters owned by other objects (discovery, reload), read at scrape time."""
@@ -385,6 +388,15 @@ class FleetCollector(Collector):
         yield GaugeMetricFamily(
             p + "draining", "1 while shutting down.", value=1.0 if self._gw.draining else 0.0
         )
+        refused = CounterMetricFamily(
+            p + "malformed_requests",
+            "Requests the HTTP parser refused before routing (bad request line or headers, "
+            "bad chunk sizes, oversized heads), by the status answered.",
+            labels=["status"],
+        )
+        for status, count in sorted(self._gw.refused_requests.items()):
+            refused.add_metric([str(status)], float(count))
+        yield refused
         up = self._gw.upstream_stats
         yield CounterMetricFamily(
             p + "upstream_unsolicited",

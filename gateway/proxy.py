@@ -30,6 +30,7 @@ from gateway.headers import REQUEST_ID, SERVER, ForwardingPolicy, valid_request_
 from gateway.inspection import check_headers, inspect_body
 from gateway.observe import Exchange, Observer
 from gateway.policy import MaskPolicy, Rejection
+from gateway.redact import describe
 from gateway.routes import Family, Route, RouteTable, canonical_path
 from gateway.upstream import ConnectFailed, Upstream, UpstreamBroken, UpstreamResponse
 
@@ -189,7 +190,7 @@ class Proxy:
         except Exception as exc:
             # A bug in the gateway, not a client or backend failure. The traceback goes to the
             # log under the request id; the client gets the route's shape and nothing else.
-            log.exception("request %s failed inside the gateway", rid)
+            log.error("request %s failed inside the gateway: %s", rid, describe(exc))
             ex.detail = type(exc).__name__
             if request.writer.output_size > 0:
                 raise  # a reply is already under way: aiohttp drops the connection

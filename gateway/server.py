@@ -14,7 +14,7 @@ import logging
 import signal
 from http import HTTPStatus
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import aiohttp
 from aiohttp import web
@@ -31,6 +31,8 @@ from gateway.headers import SERVER
 from gateway.metrics import FleetCollector, Metrics
 from gateway.observe import AccessLog, Observer
 from gateway.proxy import BUFFERED_BODY_MAX, Proxy, ProxySettings
+from gateway.redact import describe
+from gateway.redact import install as install_log_redaction
 from gateway.routes import Family
 from gateway.upstream import Upstream
 from gateway.workers import report_ready
@@ -55,11 +57,12 @@ def _bound_port(runner: web.BaseRunner) -> int:
 
 
 class _RequestHandler(RequestHandler):
-    """aiohttp's connection protocol, with error replies that name no internals.
+    """aiohttp's connection protocol, with error replies and log lines that quote nothing.
 
     aiohttp answers a request it cannot parse with the parser's message, which echoes the
-    offending bytes, and a crash in debug mode with a traceback. aiohttp still logs that
-    detail; the client gets a fixed JSON body.
+    offending bytes, and logs that message with the raw header line or the bytes that
+    followed a body (the next pipelined request: a prompt). The client gets a fixed JSON
+    body; the log gets the status and the exception's type.
     """
 
     def handle_error(
@@ -69,7 +72,16 @@ class _RequestHandler(RequestHandler):
         exc: BaseException | None = None,
         message: str | None = None,
     ) -> web.StreamResponse:
-        super().handle_error(request, status, exc, None)  # logs; raises if a reply is under way
+        manager = self._manager
+        if isinstance(manager, _Server):
+            manager.count_refused(status)
+        log.debug(
+            "refused a request the HTTP parser could not read: %d %s",
+            status,
+            type(exc).__name__ if exc is not None else "-",
+        )
+        if request.writer.output_size > 0:
+            raise ConnectionError("a reply is already under way; the connection is dropped")
         try:
             phrase = HTTPStatus(status).phrase
         except ValueError:
@@ -80,8 +92,25 @@ class _RequestHandler(RequestHandler):
         resp.force_close()
         return resp
 
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        exc = kw.get("exc_info")
+        detail = describe(exc) if isinstance(exc, BaseException) else "-"
+        log.error("connection handler failed: %s", detail)
+
+    def log_debug(self, *args: Any, **kw: Any) -> None:
+        return  # aiohttp's debug lines may carry exception messages (request bytes)
+
 
 class _Server(web.Server):
+    """aiohttp's low-level server, counting the requests its parser refused."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.refused: dict[int, int] = {}
+
+    def count_refused(self, status: int) -> None:
+        self.refused[status] = self.refused.get(status, 0) + 1
+
     def __call__(self) -> RequestHandler:
         return _RequestHandler(self, loop=self._loop, **self._kwargs)
 
@@ -147,6 +176,7 @@ class Gateway:
         self.reload_failures = 0
         self._session: aiohttp.ClientSession | None = None
         self._upstream: Upstream | None = None
+        self._http_server: _Server | None = None
         self._runner: web.ServerRunner | None = None
         self._admin_runner: web.AppRunner | None = None
         self._watch_task: asyncio.Task[None] | None = None
@@ -163,6 +193,11 @@ class Gateway:
     def upstream_stats(self) -> Upstream | None:
         return self._upstream
 
+    @property
+    def refused_requests(self) -> dict[int, int]:
+        """Requests the HTTP parser refused (before the proxy saw them), by status."""
+        return self._http_server.refused if self._http_server is not None else {}
+
     def readiness(self) -> tuple[bool, str]:
         if self.draining:
             return False, "draining"
@@ -172,6 +207,7 @@ class Gateway:
 
     async def start(self, *, reuse_port: bool = False) -> None:
         cfg = self.cfg
+        install_log_redaction()
         self._session = make_session(cfg)
         self.metrics = Metrics(
             self.fleet.pool, lambda: self.proxy.inflight if self.proxy is not None else 0
@@ -200,6 +236,7 @@ class Gateway:
             # (gateway/proxy.py _read_body): one wake-up and one join instead of one per read.
             read_bufsize=BUFFERED_BODY_MAX,
         )
+        self._http_server = server
         self._runner = web.ServerRunner(
             server, handle_signals=False, shutdown_timeout=cfg.timeouts.shutdown_grace_s
         )
