@@ -16,6 +16,7 @@ import aiohttp
 
 from gateway.backends import Backend, BackendPool
 from gateway.config import HealthConfig
+from gateway.resources import LOCAL_ERRNOS
 
 log = logging.getLogger("gateway.health")
 
@@ -62,6 +63,10 @@ class HealthChecker:
         except TimeoutError:
             ok, why = False, "probe timed out"
         except aiohttp.ClientError as exc:
+            if isinstance(exc, aiohttp.ClientOSError) and exc.errno in LOCAL_ERRNOS:
+                # The gateway is out of descriptors: it says nothing about the backend.
+                log.warning("health probe of %s not sent: %s", backend.url, type(exc).__name__)
+                return False
             ok, why = False, f"probe failed: {type(exc).__name__}"
         if ok:
             self._pool.probe_ok(backend)

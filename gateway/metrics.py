@@ -356,6 +356,9 @@ class _GatewayView(Protocol):
     @property
     def refused_requests(self) -> dict[int, int]: ...
 
+    @property
+    def client_connections(self) -> tuple[int, int, int]: ...
+
 
 class FleetCollector(Collector):
     """Counters owned by other objects (discovery, reload), read at scrape time."""
@@ -397,6 +400,20 @@ class FleetCollector(Collector):
         for status, count in sorted(self._gw.refused_requests.items()):
             refused.add_metric([str(status)], float(count))
         yield refused
+        open_conns, limit, conns_refused = self._gw.client_connections
+        yield GaugeMetricFamily(
+            p + "client_connections", "Client connections open.", value=float(open_conns)
+        )
+        yield GaugeMetricFamily(
+            p + "client_connections_limit",
+            "limits.max_client_connections in force.",
+            value=float(limit),
+        )
+        yield CounterMetricFamily(
+            p + "client_connections_refused",
+            "Client connections answered 503 and closed at once: the limit was reached.",
+            value=float(conns_refused),
+        )
         up = self._gw.upstream_stats
         yield CounterMetricFamily(
             p + "upstream_unsolicited",

@@ -14,7 +14,7 @@ import logging
 import signal
 from http import HTTPStatus
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import aiohttp
 from aiohttp import web
@@ -33,6 +33,7 @@ from gateway.observe import AccessLog, Observer
 from gateway.proxy import BUFFERED_BODY_MAX, Proxy, ProxySettings
 from gateway.redact import describe
 from gateway.redact import install as install_log_redaction
+from gateway.resources import default_max_client_connections
 from gateway.routes import Family
 from gateway.upstream import Upstream
 from gateway.workers import report_ready
@@ -92,6 +93,19 @@ class _RequestHandler(RequestHandler):
         resp.force_close()
         return resp
 
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        manager = self._manager
+        if isinstance(manager, _Server) and manager.full():
+            # Refused before anything is read, while the process still has descriptors to
+            # spare for its backends, its probes and the admin listener.
+            manager.connections_refused += 1
+            self._manager = None  # never registered: connection_lost has nothing to undo
+            transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
+            transport.write(manager.full_reply)
+            transport.close()
+            return
+        super().connection_made(transport)
+
     def log_exception(self, *args: Any, **kw: Any) -> None:
         exc = kw.get("exc_info")
         detail = describe(exc) if isinstance(exc, BaseException) else "-"
@@ -101,18 +115,51 @@ class _RequestHandler(RequestHandler):
         return  # aiohttp's debug lines may carry exception messages (request bytes)
 
 
-class _Server(web.Server):
-    """aiohttp's low-level server, counting the requests its parser refused."""
+_FULL: Final = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    b"Retry-After: 1\r\nConnection: close\r\n"
+    + SERVER[0].encode()
+    + b": "
+    + SERVER[1].encode()
+    + b"\r\nContent-Length: %d\r\n\r\n%s"
+)
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+
+def _full_reply() -> bytes:
+    body = errors.render(
+        Family.PLAIN, 503, "The gateway is at its client connection limit; retry later."
+    )
+    return _FULL % (len(body), body)
+
+
+class _Server(web.Server):
+    """aiohttp's low-level server, counting the requests its parser refused, and holding
+    at most `max_connections` client connections."""
+
+    def __init__(self, *args: Any, max_connections: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.refused: dict[int, int] = {}
+        self.max_connections = max_connections
+        self.connections_refused = 0
+        self.full_reply = _full_reply()
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._connections)
+
+    def full(self) -> bool:
+        return len(self._connections) >= self.max_connections
 
     def count_refused(self, status: int) -> None:
         self.refused[status] = self.refused.get(status, 0) + 1
 
     def __call__(self) -> RequestHandler:
         return _RequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+def _max_connections(cfg: GatewayConfig) -> int:
+    configured = cfg.limits.max_client_connections
+    return configured if configured is not None else default_max_client_connections()
 
 
 def make_upstream(cfg: GatewayConfig) -> Upstream:
@@ -194,6 +241,14 @@ class Gateway:
         return self._upstream
 
     @property
+    def client_connections(self) -> tuple[int, int, int]:
+        """(open, limit, refused so far) for the main listener."""
+        server = self._http_server
+        if server is None:
+            return 0, 0, 0
+        return server.open_connections, server.max_connections, server.connections_refused
+
+    @property
     def refused_requests(self) -> dict[int, int]:
         """Requests the HTTP parser refused (before the proxy saw them), by status."""
         return self._http_server.refused if self._http_server is not None else {}
@@ -223,6 +278,7 @@ class Gateway:
 
         server = _Server(
             self.proxy.handle,
+            max_connections=_max_connections(cfg),
             # A client that goes away cancels its handler, which closes the upstream request.
             handler_cancellation=True,
             keepalive_timeout=cfg.timeouts.client_keepalive_s,
@@ -302,6 +358,8 @@ class Gateway:
                 log.error("reload refused, keeping the running config: %s", exc)
                 return False
             self.proxy.settings = settings
+            if self._http_server is not None:
+                self._http_server.max_connections = _max_connections(cfg)
             await self.fleet.reconfigure(cfg.backends)
             self.cfg = cfg
             self.reloads += 1

@@ -24,14 +24,14 @@ from aiohttp.client_proto import ResponseHandler
 from aiohttp.http_parser import RawResponseMessage
 from aiohttp.streams import StreamReader
 
+from gateway.resources import is_local
+
 _CRLF: Final = "\r\n"
 _NO_BODY_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 # Interim (1xx) responses accepted before the final one. RFC 9110 sets no limit, but every
 # real server sends at most a few (100 Continue, 103 Early Hints); each one costs a parse and
 # a queued message, so a backend that streams them without end would stall the loop.
 MAX_INTERIM_RESPONSES: Final = 16
-# A local resource exhausted: the gateway's own fault, never the backend's (see ConnectFailed).
-_LOCAL_ERRNOS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 class ConnectFailed(Exception):
@@ -370,9 +370,11 @@ class Upstream:
         except TimeoutError:
             raise ConnectFailed("ConnectionTimeoutError") from None
         except OSError as exc:  # refused, unreachable, DNS, TLS; or out of descriptors
-            if exc.errno in _LOCAL_ERRNOS:
+            if is_local(exc):
                 self.local_errors += 1
-                raise ConnectFailed(errno.errorcode[exc.errno], local=True) from exc
+                raise ConnectFailed(
+                    errno.errorcode.get(exc.errno or 0, "OSError"), local=True
+                ) from exc
             raise ConnectFailed("ClientConnectorError") from exc
         proto.on_unsolicited = self._count_unsolicited
         return proto
