@@ -77,6 +77,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["listen.workers"] = 1
         out["admin.host"] = "127.0.0.1"
         out["admin.port"] = 0
+        out["reload.watch_interval_s"] = None  # the supervisor watches the file
+
     return out
 
 
@@ -156,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.listen.workers > 1:
         from gateway.workers import Supervisor  # noqa: PLC0415
 
-        supervisor = Supervisor(cfg, cfg.listen.workers, [*argv, "--workers", "1"])
+        supervisor = Supervisor(cfg, config_path=args.config, overrides=_overrides(args))
         result: list[int] = []
 
         async def supervise() -> None:

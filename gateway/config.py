@@ -11,7 +11,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 from urllib.parse import urlsplit
 
 import yaml
@@ -308,6 +308,61 @@ class GatewayConfig(_Model):
     auth: AuthConfig = AuthConfig()
     logging: LoggingConfig = LoggingConfig()
     reload: ReloadConfig = ReloadConfig()
+
+
+# Settings that need new sockets or a new connection pool: a reload cannot change them.
+RESTART_ONLY: Final = (
+    "listen",
+    "admin",
+    "limits.max_header_bytes",
+    "timeouts.upstream_keepalive_s",
+)
+
+
+def get_dotted(cfg: GatewayConfig, dotted: str) -> object:
+    node: object = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _reveal(value: Any) -> Any:
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, dict):
+        return {k: _reveal(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_reveal(v) for v in value]
+    return value
+
+
+def to_data(cfg: GatewayConfig) -> dict[str, Any]:
+    """The config as plain data that `build` turns back into the same config, secrets
+    included (for the --workers snapshot, never for printing)."""
+    data: dict[str, Any] = _reveal(cfg.model_dump())
+    return data
+
+
+def restart_only_changes(new: GatewayConfig, running: GatewayConfig) -> list[str]:
+    return [key for key in RESTART_ONLY if get_dotted(new, key) != get_dotted(running, key)]
+
+
+def as_reloaded(new: GatewayConfig, running: GatewayConfig) -> GatewayConfig:
+    """What a reload to `new` really runs: `new`, with the restart-only settings still at
+    their running values. Anything started later from it (a restarted --workers process)
+    then runs the same rules as the ones that reloaded."""
+    changed = restart_only_changes(new, running)
+    if not changed:
+        return new
+    data = to_data(new)
+    old = to_data(running)
+    for key in changed:
+        *parents, leaf = key.split(".")
+        dst, src = data, old
+        for part in parents:
+            dst, src = dst[part], src[part]
+        dst[leaf] = src[leaf]
+    return build(data)
 
 
 def _loc(loc: tuple[int | str, ...]) -> str:

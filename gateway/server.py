@@ -13,7 +13,6 @@ import contextlib
 import logging
 import signal
 from http import HTTPStatus
-from pathlib import Path
 from typing import Any, Final, cast
 
 import aiohttp
@@ -28,6 +27,7 @@ from gateway.config import ConfigError, GatewayConfig
 from gateway.discovery import Resolver
 from gateway.fleet import Fleet
 from gateway.headers import SERVER
+from gateway.lifecycle import hold_lifeline, watch_mtime
 from gateway.metrics import FleetCollector, Metrics
 from gateway.observe import AccessLog, Observer
 from gateway.proxy import BUFFERED_BODY_MAX, Proxy, ProxySettings
@@ -41,13 +41,6 @@ from gateway.workers import report_ready
 log = logging.getLogger("gateway.server")
 
 _UPSTREAM_READ_BUFSIZE: Final = 1 << 17  # 64-512 KiB measured: 128 KiB relays 4 MB replies best
-# Settings that need new sockets or a new connection pool: a reload cannot change them.
-_RESTART_ONLY: Final = (
-    "listen",
-    "admin",
-    "limits.max_header_bytes",
-    "timeouts.upstream_keepalive_s",
-)
 
 
 def _bound_port(runner: web.BaseRunner) -> int:
@@ -197,13 +190,6 @@ def make_session(cfg: GatewayConfig) -> aiohttp.ClientSession:
     )
 
 
-def _get(cfg: GatewayConfig, dotted: str) -> object:
-    node: object = cfg
-    for part in dotted.split("."):
-        node = getattr(node, part)
-    return node
-
-
 class Gateway:
     def __init__(
         self,
@@ -317,7 +303,8 @@ class Gateway:
         self.fleet.start(self._session)
         if cfg.reload.watch_interval_s is not None and self.config_path is not None:
             self._watch_task = asyncio.create_task(
-                self._watch(cfg.reload.watch_interval_s), name="config-watch"
+                watch_mtime(self.config_path, cfg.reload.watch_interval_s, self.reload),
+                name="config-watch",
             )
         log.info(
             "gateway listening on %s:%d (admin %s:%d), discovery %s",
@@ -347,9 +334,9 @@ class Gateway:
                     self.reload_failures += 1
                     log.error("reload refused, keeping the running config:\n%s", exc)
                     return False
-            for key in _RESTART_ONLY:
-                if _get(cfg, key) != _get(self.cfg, key):
-                    log.warning("reload: %s changed; it takes effect only after a restart", key)
+            for key in config_mod.restart_only_changes(cfg, self.cfg):
+                log.warning("reload: %s changed; it takes effect only after a restart", key)
+            cfg = config_mod.as_reloaded(cfg, self.cfg)
             assert self.proxy is not None
             try:
                 settings = await asyncio.to_thread(ProxySettings.from_config, cfg)
@@ -365,24 +352,6 @@ class Gateway:
             self.reloads += 1
             log.info("config reloaded")
             return True
-
-    async def _watch(self, interval: float) -> None:
-        assert self.config_path is not None
-        path = Path(self.config_path)
-
-        def mtime() -> float | None:
-            try:
-                return path.stat().st_mtime
-            except OSError:
-                return None
-
-        last = mtime()
-        while True:
-            await asyncio.sleep(interval)
-            now = mtime()
-            if now is not None and now != last:
-                last = now
-                await self.reload()
 
     async def stop(self) -> None:
         """Drain: readiness off, stop accepting, let in-flight requests finish, close."""
@@ -432,6 +401,12 @@ async def serve(
     loop.add_signal_handler(signal.SIGHUP, on_hup)
     await gateway.start(reuse_port=worker)
     if worker:
+
+        def orphaned() -> None:
+            log.warning("the supervisor is gone: draining and exiting")
+            stop.set()
+
+        hold_lifeline(orphaned)
         report_ready(gateway.admin_port)
     try:
         await stop.wait()

@@ -5,38 +5,49 @@ bound to the same port with SO_REUSEPORT so the kernel spreads connections acros
 Probing independently keeps health consistent enough: every worker sees the same backends
 with the same thresholds, a few probe intervals apart at worst.
 
-The supervisor owns the admin listener. `/metrics` scrapes every worker's private admin
-port (loopback, ephemeral) and merges the series with a `worker` label, so counters are
-per worker and sum correctly across them; `/readyz` is ready while any worker is. Signals
-go to every worker (SIGHUP reload, SIGTERM drain); a worker that dies is restarted.
+The supervisor owns the config: it validates the file, and workers run a snapshot of the
+last config it accepted (see Supervisor). It owns the admin listener: `/metrics` scrapes
+every worker's private admin port (loopback, ephemeral) and merges the series with a
+`worker` label, so counters are per worker and sum correctly across them; `/readyz` is
+ready while any worker is and none is failing to start. SIGTERM drains every worker; a
+worker that dies is restarted, with back-off while it keeps failing; and each worker holds
+a lifeline to the supervisor (gateway/lifecycle.py), so none outlives it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
+import shutil
 import signal
 import sys
-from collections.abc import Iterator, Sequence
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from gateway import config as config_mod
 from gateway.admin import make_admin_app
-from gateway.config import GatewayConfig
+from gateway.config import ConfigError, GatewayConfig
+from gateway.lifecycle import LIFELINE_ENV, watch_mtime
 
 log = logging.getLogger("gateway.workers")
 
 REPORT_FD_ENV = "SGLANG_GATEWAY_REPORT_FD"
-_RESTART_BACKOFF_S = 1.0
+_RESTART_BACKOFF_S = 0.25  # doubled for each start in a row that never became ready
+_MAX_BACKOFF_S = 30.0
+_FAILING_AFTER = 3  # failed starts in a row that make a worker (and readiness) failing
 
 
 @dataclass
@@ -45,6 +56,9 @@ class Worker:
     proc: asyncio.subprocess.Process | None = None
     admin_port: int = 0
     restarts: int = 0
+    failed_starts: int = 0  # exits in a row before reporting ready
+    ready_this_start: bool = False
+    lifeline: int | None = None  # our end of the worker's lifeline pipe
     started: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -65,9 +79,10 @@ class _Merged(Collector):
         yield from self._families
 
 
-def merge_metrics(texts: Sequence[tuple[int, str]]) -> bytes:
-    """Many workers' exposition text -> one, each sample labelled with its worker."""
-    merged: dict[str, Metric] = {}
+def merge_metrics(texts: Sequence[tuple[int, str]], own: Sequence[Metric] = ()) -> bytes:
+    """Many workers' exposition text -> one, each sample labelled with its worker, and the
+    supervisor's own families."""
+    merged: dict[str, Metric] = {family.name: family for family in own}
     for index, text in texts:
         for family in text_string_to_metric_families(text):
             target = merged.get(family.name)
@@ -83,32 +98,97 @@ def merge_metrics(texts: Sequence[tuple[int, str]]) -> bytes:
 
 
 class Supervisor:
-    def __init__(self, cfg: GatewayConfig, n: int, worker_argv: Sequence[str]) -> None:
+    """Owns the config the workers run, the admin listener, and the workers' lives.
+
+    Workers never read the operator's config file: they run a snapshot of the config the
+    supervisor last accepted (private directory, mode 0600: it holds secrets). A reload is
+    validated here first; only an accepted one is written and signalled to the workers, so a
+    worker restarted after a refused reload, or after an edit nobody reloaded, runs exactly
+    the rules its siblings run.
+    """
+
+    def __init__(
+        self,
+        cfg: GatewayConfig,
+        *,
+        config_path: str | None = None,
+        overrides: Mapping[str, object] | None = None,
+    ) -> None:
         self.cfg = cfg
-        self.workers = [Worker(i) for i in range(n)]
-        self._argv = list(worker_argv)
+        self.workers = [Worker(i) for i in range(cfg.listen.workers)]
+        self._config_path = config_path
+        self._overrides = dict(overrides or {})
         self._stopping = False
         self._session: aiohttp.ClientSession | None = None
+        self._dir = Path(tempfile.mkdtemp(prefix="sglang-gateway-"))  # 0700
+        self.snapshot = self._dir / "config.json"
+        self._write_snapshot(cfg)
+        self.reloads = 0
+        self.reload_failures = 0
+        self._reload_lock = asyncio.Lock()
+
+    def _write_snapshot(self, cfg: GatewayConfig) -> None:
+        data = json.dumps(config_mod.to_data(cfg)).encode()
+        tmp = self._dir / "config.json.new"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        os.replace(tmp, self.snapshot)  # a worker starting now reads the old or the new
+
+    async def reload(self) -> bool:
+        async with self._reload_lock:
+            if self._config_path is None:
+                log.warning("reload requested, but the gateway was started without --config")
+                return False
+            try:
+                cfg = await asyncio.to_thread(config_mod.load, self._config_path, self._overrides)
+            except ConfigError as exc:
+                self.reload_failures += 1
+                log.error("reload refused, the workers keep the running config:\n%s", exc)
+                return False
+            for key in config_mod.restart_only_changes(cfg, self.cfg):
+                log.warning("reload: %s changed; it takes effect only after a restart", key)
+            cfg = config_mod.as_reloaded(cfg, self.cfg)
+            await asyncio.to_thread(self._write_snapshot, cfg)
+            self.cfg = cfg
+            self.reloads += 1
+            self._signal_all(signal.SIGHUP)
+            log.info("config accepted; workers reloading")
+            return True
+
+    def _worker_argv(self, w: Worker) -> list[str]:
+        return ["--config", str(self.snapshot), "--worker-index", str(w.index)]
 
     async def _spawn(self, w: Worker) -> None:
+        if not self.snapshot.exists():  # a /tmp cleaner took it: the config is still ours
+            await asyncio.to_thread(self._write_snapshot, self.cfg)
         read_fd, write_fd = os.pipe()
-        env = {**os.environ, REPORT_FD_ENV: str(write_fd)}
+        life_read, life_write = os.pipe()
+        env = {**os.environ, REPORT_FD_ENV: str(write_fd), LIFELINE_ENV: str(life_read)}
         w.started.clear()
-        w.proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "gateway",
-            *self._argv,
-            "--worker-index",
-            str(w.index),
-            env=env,
-            pass_fds=(write_fd,),
-        )
-        os.close(write_fd)
+        w.ready_this_start = False
+        try:
+            w.proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "gateway",
+                *self._worker_argv(w),
+                env=env,
+                pass_fds=(write_fd, life_read),
+            )
+        finally:
+            os.close(write_fd)
+            os.close(life_read)
+        # Held (never written) for the worker's life: the kernel closes it when we die.
+        if w.lifeline is not None:
+            os.close(w.lifeline)
+        w.lifeline = life_write
         loop = asyncio.get_running_loop()
         line = await loop.run_in_executor(None, _read_line, read_fd)
         if line:
             w.admin_port = int(line)
+            w.failed_starts = 0
+            w.ready_this_start = True
             w.started.set()
             log.info("worker %d (pid %d) ready", w.index, w.proc.pid)
 
@@ -117,11 +197,21 @@ class Supervisor:
             await self._spawn(w)
             assert w.proc is not None
             code = await w.proc.wait()
+            w.started.clear()
             if self._stopping:
                 return
             w.restarts += 1
-            log.error("worker %d exited with %s; restarting", w.index, code)
-            await asyncio.sleep(_RESTART_BACKOFF_S)
+            if not w.ready_this_start:
+                w.failed_starts += 1
+            backoff = min(_MAX_BACKOFF_S, _RESTART_BACKOFF_S * 2 ** min(w.failed_starts, 8))
+            log.error(
+                "worker %d exited with %s; restarting in %.1fs (%d restarts)",
+                w.index,
+                code,
+                backoff,
+                w.restarts,
+            )
+            await asyncio.sleep(backoff)
 
     def _signal_all(self, sig: int) -> None:
         for w in self.workers:
@@ -139,21 +229,67 @@ class Supervisor:
             return None
 
     async def ready(self) -> tuple[bool, str]:
+        """Ready while a worker is and none is failing to start: a crash-looping worker
+        is a broken deployment even while its siblings serve."""
         results = await asyncio.gather(*(self._fetch(w, "/readyz") for w in self.workers))
         ok = sum(1 for r in results if r is not None and r[0] == 200)
-        return ok > 0, f"{ok}/{len(self.workers)} workers ready"
+        failing = [w.index for w in self.workers if w.failed_starts >= _FAILING_AFTER]
+        reason = f"{ok}/{len(self.workers)} workers ready"
+        if failing:
+            reason += "; failing to start: " + ", ".join(f"worker {i}" for i in failing)
+        return ok > 0 and not failing, reason
 
     async def metrics(self) -> tuple[bytes, str]:
         results = await asyncio.gather(*(self._fetch(w, "/metrics") for w in self.workers))
         texts = [(w.index, r[1]) for w, r in zip(self.workers, results, strict=True) if r]
-        return merge_metrics(texts), CONTENT_TYPE_LATEST
+        return merge_metrics(texts, own=list(self._own_metrics())), CONTENT_TYPE_LATEST
+
+    def _own_metrics(self) -> Iterator[Metric]:
+        restarts = CounterMetricFamily(
+            "sglang_gateway_worker_restarts",
+            "Worker processes restarted by the supervisor after they exited.",
+            labels=["worker"],
+        )
+        up = GaugeMetricFamily(
+            "sglang_gateway_worker_up",
+            "1 while the worker process has started and reported ready, else 0.",
+            labels=["worker"],
+        )
+        failing = GaugeMetricFamily(
+            "sglang_gateway_worker_failing",
+            f"1 while the worker has failed to start {_FAILING_AFTER} times in a row.",
+            labels=["worker"],
+        )
+        for w in self.workers:
+            restarts.add_metric([str(w.index)], float(w.restarts))
+            up.add_metric([str(w.index)], 1.0 if w.started.is_set() else 0.0)
+            failing.add_metric([str(w.index)], 1.0 if w.failed_starts >= _FAILING_AFTER else 0.0)
+        yield restarts
+        yield up
+        yield failing
+        reloads = CounterMetricFamily(
+            "sglang_gateway_supervisor_config_reloads",
+            "Config reloads the supervisor validated, by result (only accepted ones reach the "
+            "workers).",
+            labels=["result"],
+        )
+        reloads.add_metric(["ok"], float(self.reloads))
+        reloads.add_metric(["refused"], float(self.reload_failures))
+        yield reloads
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
+        reloads: set[asyncio.Task[bool]] = set()
+
+        def on_hup() -> None:
+            task = asyncio.create_task(self.reload(), name="reload")
+            reloads.add(task)
+            task.add_done_callback(reloads.discard)
+
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        loop.add_signal_handler(signal.SIGHUP, lambda: self._signal_all(signal.SIGHUP))
+        loop.add_signal_handler(signal.SIGHUP, on_hup)
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
         admin = make_admin_app(ready=self.ready, metrics=self.metrics)
         runner = web.AppRunner(admin, handle_signals=False, access_log=None)
@@ -162,6 +298,13 @@ class Supervisor:
         watchers = [
             asyncio.create_task(self._watch(w), name=f"worker-{w.index}") for w in self.workers
         ]
+        interval = self.cfg.reload.watch_interval_s
+        if interval is not None and self._config_path is not None:
+            watchers.append(
+                asyncio.create_task(
+                    watch_mtime(self._config_path, interval, self.reload), name="config-watch"
+                )
+            )
         log.info("supervisor: %d workers on port %d", len(self.workers), self.cfg.listen.port)
         try:
             await stop.wait()
@@ -180,6 +323,11 @@ class Supervisor:
             await asyncio.gather(*watchers, return_exceptions=True)
             await runner.cleanup()
             await self._session.close()
+            for w in self.workers:
+                if w.lifeline is not None:
+                    os.close(w.lifeline)
+                    w.lifeline = None
+            shutil.rmtree(self._dir, ignore_errors=True)
         return 0
 
 
