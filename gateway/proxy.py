@@ -161,6 +161,17 @@ class Proxy:
         self._slot_waiters: deque[asyncio.Future[None]] = deque()
         self._ids = _RequestIds()
         self.inflight = 0
+        self._idle: asyncio.Event | None = None  # only while someone waits for idleness
+
+    async def wait_idle(self) -> None:
+        """Return once no request is in flight (the drain waits on this)."""
+        if not self.inflight:
+            return
+        self._idle = asyncio.Event()
+        try:
+            await self._idle.wait()
+        finally:
+            self._idle = None
 
     # -- entry point ---------------------------------------------------------------
 
@@ -199,6 +210,8 @@ class Proxy:
             return self._reply(ex, 500, body, "gateway_error", close=True)
         finally:
             self.inflight -= 1
+            if self._idle is not None and not self.inflight:
+                self._idle.set()
             ex.finished = time.perf_counter()
             for obs in self._observers:
                 obs.finish(ex)
@@ -225,9 +238,12 @@ class Proxy:
             return resp
 
         headers = request.headers
+        encodings = headers.getall("Content-Encoding", None)
         rejection = check_headers(
             headers.get("Content-Type") if route.inspected else None,
-            headers.get("Content-Encoding"),
+            # Every line: one `identity` line followed by a `gzip` one encodes the body as
+            # surely as a single `identity, gzip`.
+            None if encodings is None else ", ".join(encodings),
         )
         if rejection is not None:
             return self._reject(ex, route.family, rejection, close=request.body_exists)
@@ -298,7 +314,10 @@ class Proxy:
         length = request.content_length
         if length is not None and length > s.max_body:
             raise _TooLarge
-        if request.headers.get("Expect", "").lower() == "100-continue":
+        if (
+            request.version >= (1, 1)  # HTTP/1.0 has no 100 (RFC 9110 s.10.1.1)
+            and request.headers.get("Expect", "").lower() == "100-continue"
+        ):
             # Sent only once the declared size passed the cap, so an oversized upload is
             # refused before the client transmits it.
             await request.writer.write(_CONTINUE)

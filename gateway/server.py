@@ -40,6 +40,9 @@ from gateway.workers import report_ready
 
 log = logging.getLogger("gateway.server")
 
+# How long handlers still running at the end of the drain get to close their upstreams
+# once cancelled.
+_CANCEL_WAIT_S: Final = 0.2  # aiohttp waits it twice: for the handlers, then the cancelled ones
 _UPSTREAM_READ_BUFSIZE: Final = 1 << 17  # 64-512 KiB measured: 128 KiB relays 4 MB replies best
 
 
@@ -279,8 +282,11 @@ class Gateway:
             read_bufsize=BUFFERED_BODY_MAX,
         )
         self._http_server = server
+        # aiohttp's own shutdown waits its timeout for handlers, then as long again for the
+        # cancelled ones: the grace is applied by stop() instead, and aiohttp only gets the
+        # short wait after cancelling what outlived it.
         self._runner = web.ServerRunner(
-            server, handle_signals=False, shutdown_timeout=cfg.timeouts.shutdown_grace_s
+            server, handle_signals=False, shutdown_timeout=_CANCEL_WAIT_S
         )
         await self._runner.setup()
         await web.TCPSite(
@@ -353,6 +359,19 @@ class Gateway:
             log.info("config reloaded")
             return True
 
+    async def _drain(self, grace: float) -> None:
+        """Stop accepting, close idle connections, and wait up to `grace` for the requests
+        in flight (a connection closes after its current reply)."""
+        assert self._runner is not None
+        for site in list(self._runner.sites):
+            await site.stop()
+        if self._http_server is not None:
+            self._http_server.pre_shutdown()
+        if self.proxy is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(grace):
+                    await self.proxy.wait_idle()
+
     async def stop(self) -> None:
         """Drain: readiness off, stop accepting, let in-flight requests finish, close."""
         self.draining = True
@@ -361,7 +380,8 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch_task
         if self._runner is not None:
-            await self._runner.cleanup()  # waits up to shutdown_grace_s for handlers
+            await self._drain(self.cfg.timeouts.shutdown_grace_s)
+            await self._runner.cleanup()  # cancels what outlived the grace
             self._runner = None
         await self.fleet.stop()
         if self._admin_runner is not None:

@@ -306,3 +306,19 @@ def test_large_bodies_through_inspection_are_refused_exactly_when_orjson_refuses
             assert rejection is not None and rejection.reason == "invalid_json", kind
         else:
             assert rejection is None or rejection.reason != "invalid_json", kind
+
+
+@pytest.mark.parametrize("n", [1000, 1300, 2000, 3000, 5000])
+@pytest.mark.parametrize("opening", [b"{  ", b"{\n  ", b"{\t\t", b"{   ", b"{ "])
+def test_bodies_orjson_cannot_allocate_for_are_refused_like_orjson(opening: bytes, n: int) -> None:
+    """Hardening II, item 6: orjson 3.13 refuses some valid indented bodies with dense arrays
+    ("failed to allocate memory"); simdjson reads them. Whatever orjson says is the answer,
+    on both sides of the 4 KB threshold."""
+    body = opening + b'"input_ids": [' + b",".join([b"1"] * n) + b'], "text": null}'
+    readable, _ = _orjson(body)
+    for kind in KINDS:
+        rejection = inspect_body(kind, body, POLICY)
+        if readable:
+            assert rejection is None or rejection.reason != "invalid_json"
+        else:
+            assert rejection is not None and rejection.reason == "invalid_json"
