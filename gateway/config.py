@@ -202,6 +202,10 @@ class LimitsConfig(_Model):
     # 100k-token input_ids lists are ~0.6 MB; multimodal payloads are larger.
     max_body_bytes: Annotated[int, Field(ge=1024, le=1 << 34)] = 64 << 20
     max_header_bytes: Annotated[int, Field(ge=1024, le=1 << 20)] = 16 << 10
+    # Memory that inspecting bodies may take at once, counted as each parse's worst case
+    # (gateway/budget.py); more inspections wait up to backends.queue_timeout_s, then 503.
+    # A body whose inspection alone would exceed it is refused with 413.
+    max_inspecting_bytes: Annotated[int, Field(ge=16 << 20, le=1 << 40)] = 256 << 20
     # Client connections held at once; more are answered 503 and closed at once, so the
     # process keeps descriptors for its backends and its own probes. None: half of the
     # descriptor limit (RLIMIT_NOFILE) left after a reserve of 64 (gateway/resources.py).

@@ -17,9 +17,11 @@ from typing import Any, Final
 
 import orjson
 
-from gateway.jsonview import read_view
+from gateway.budget import InspectionBudget, TooCostly, parse_cost
+from gateway.jsonview import Head, read_view
 from gateway.policy import READS, SHAPE_ONLY, MaskPolicy, Rejection
 from gateway.routes import Kind
+from gateway.skim import Skimmed, skim
 
 _JSON_SUBTYPE: Final = "json"
 
@@ -75,25 +77,35 @@ _VIEW_MIN_BYTES: Final = 4096
 _ORJSON_SENSITIVE: Final = re.compile(rb"[ \t\r\n]*\{[ \t\r\n]{2}")
 
 
-def parse_object(body: bytes, kind: Kind | None = None) -> dict[str, Any] | Rejection:
+def parse_object(
+    body: bytes, kind: Kind | None = None, skimmed: Skimmed | None = None
+) -> dict[str, Any] | Rejection:
     """orjson's reading of a body, which must be a JSON object.
 
     With a kind, a body of 4 KB or more has only the fields that kind's policy check reads
     converted to Python objects (gateway/jsonview.py); the whole body is still validated,
-    exactly as orjson would.
+    exactly as orjson would. With `skimmed`, `body` is its reduced form (gateway/skim.py):
+    the view gets the lengths of the original arrays, and an error its original place.
     """
+    parsed = skimmed.body if skimmed is not None else body
     try:
-        if kind is None or len(body) < _VIEW_MIN_BYTES or _ORJSON_SENSITIVE.match(body):
-            obj = orjson.loads(body)
+        if kind is None or len(parsed) < _VIEW_MIN_BYTES or _ORJSON_SENSITIVE.match(parsed):
+            obj = orjson.loads(parsed)
         else:
-            obj = read_view(body, READS.get(kind), SHAPE_ONLY)
+            obj = read_view(parsed, READS.get(kind), SHAPE_ONLY)
     except orjson.JSONDecodeError as exc:
+        if skimmed is None:
+            line, column = exc.lineno, exc.colno
+        else:
+            at = skimmed.original_offset(exc.pos)
+            line = body.count(b"\n", 0, at) + 1
+            column = at - (body.rfind(b"\n", 0, at) + 1) + 1
         # Where, in plain words; the parser's own message goes to the log only.
         return Rejection(
             400,
             "request_body",
             "invalid_json",
-            f"Invalid JSON body (line {exc.lineno}, column {exc.colno}).",
+            f"Invalid JSON body (line {line}, column {column}).",
             validation=True,
             detail=exc.msg,
         )
@@ -105,6 +117,11 @@ def parse_object(body: bytes, kind: Kind | None = None) -> dict[str, Any] | Reje
             "Invalid request body: the top level must be a JSON object.",
             validation=True,
         )
+    if skimmed is not None:
+        for key, extra in skimmed.extra_elements.items():
+            value = obj.get(key)
+            if isinstance(value, list) and value:
+                obj[key] = Head(value[0], len(value) + extra)
     return obj
 
 
@@ -144,6 +161,48 @@ def may_hold_mask_key(body: bytes) -> bool:
         if at >= 0:
             return True  # still more escapes: read it rather than walk on
     return _MASK_KEY in body
+
+
+INSPECTION_BUSY: Final = "The gateway is busy inspecting other large requests; retry later."
+
+
+async def inspect_large(
+    kind: Kind,
+    body: bytes,
+    policy: MaskPolicy,
+    budget: InspectionBudget,
+    *,
+    wait_s: float,
+    skip_parse_without_key: bool = False,
+) -> Rejection | None:
+    """inspect_body for any size: long integer arrays in shape-only fields are validated
+    without being parsed (gateway/skim.py), and the parse waits for its share of the
+    inspection budget (gateway/budget.py)."""
+    if skip_parse_without_key and not may_hold_mask_key(body):
+        return None
+    # orjson's own verdict is needed on bodies it may refuse (see _ORJSON_SENSITIVE).
+    skimmed = None if _ORJSON_SENSITIVE.match(body) else await skim(body, SHAPE_ONLY)
+    cost = parse_cost(skimmed.body if skimmed is not None else body)
+    try:
+        granted = await budget.acquire(cost, wait_s)
+    except TooCostly:
+        return Rejection(
+            413,
+            "request_body",
+            "too_costly",
+            "Request body needs more memory to inspect than limits.max_inspecting_bytes "
+            f"({budget.limit} bytes) allows.",
+            detail=f"estimated {cost} bytes",
+        )
+    if not granted:
+        return Rejection(503, "request_body", "inspection_busy", INSPECTION_BUSY)
+    try:
+        parsed = parse_object(body, kind, skimmed)
+        if isinstance(parsed, Rejection):
+            return parsed
+        return policy.check(kind, parsed)
+    finally:
+        budget.release(cost)
 
 
 def inspect_body(

@@ -25,13 +25,15 @@ from aiohttp.http_exceptions import HttpProcessingError
 from gateway import errors
 from gateway.auth import ApiKeys, read_keys_file
 from gateway.backends import Backend, BackendPool
+from gateway.budget import InspectionBudget, parse_cost
 from gateway.config import GatewayConfig, header_safe
 from gateway.headers import REQUEST_ID, SERVER, ForwardingPolicy, valid_request_id
-from gateway.inspection import check_headers, inspect_body
+from gateway.inspection import check_headers, inspect_body, inspect_large
 from gateway.observe import Exchange, Observer
 from gateway.policy import MaskPolicy, Rejection
 from gateway.redact import describe
 from gateway.routes import Family, Route, RouteTable, canonical_path
+from gateway.skim import SKIM_MIN_BODY
 from gateway.upstream import ConnectFailed, Upstream, UpstreamBroken, UpstreamResponse
 
 log = logging.getLogger("gateway.proxy")
@@ -81,6 +83,7 @@ class ProxySettings:
     policy: MaskPolicy
     forwarding: ForwardingPolicy
     max_body: int
+    max_inspecting: int
     body_timeout: float
     attempts: int
     queue_timeout: float
@@ -130,6 +133,7 @@ class ProxySettings:
                 strip_client_authorization=a.enabled,
             ),
             max_body=cfg.limits.max_body_bytes,
+            max_inspecting=cfg.limits.max_inspecting_bytes,
             body_timeout=t.body_read_s,
             attempts=b.connect_attempts,
             queue_timeout=b.queue_timeout_s,
@@ -161,6 +165,7 @@ class Proxy:
         self._slot_waiters: deque[asyncio.Future[None]] = deque()
         self._ids = _RequestIds()
         self.inflight = 0
+        self.budget = InspectionBudget(settings.max_inspecting)
         self._idle: asyncio.Event | None = None  # only while someone waits for idleness
 
     async def wait_idle(self) -> None:
@@ -265,9 +270,25 @@ class Proxy:
             return self._reject(ex, route.family, rejection, close=True)
 
         if route.inspected:
-            rejection = inspect_body(
-                route.kind, body, s.policy, skip_parse_without_key=s.skip_parse
-            )
+            budget = self.budget
+            cost = parse_cost(body)
+            if len(body) < SKIM_MIN_BODY and budget.try_acquire(cost):
+                # Most bodies: inspected at once, with no await on the way.
+                try:
+                    rejection = inspect_body(
+                        route.kind, body, s.policy, skip_parse_without_key=s.skip_parse
+                    )
+                finally:
+                    budget.release(cost)
+            else:
+                rejection = await inspect_large(
+                    route.kind,
+                    body,
+                    s.policy,
+                    budget,
+                    wait_s=s.queue_timeout,
+                    skip_parse_without_key=s.skip_parse,
+                )
             if rejection is not None:
                 if rejection.policy == "sampling_mask" and not s.policy.enforce:
                     # log_only: count and log what enforce would refuse, then forward.
@@ -279,7 +300,10 @@ class Proxy:
                     ex.log_only = rejection.policy
                     ex.reason = rejection.reason
                 else:
-                    return self._reject(ex, route.family, rejection)
+                    resp = self._reject(ex, route.family, rejection)
+                    if rejection.status == 503:
+                        resp.headers["Retry-After"] = "1"
+                    return resp
 
         return await self._forward(request, s=s, route=route, raw_path=raw_path, body=body, ex=ex)
 

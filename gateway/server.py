@@ -351,6 +351,7 @@ class Gateway:
                 log.error("reload refused, keeping the running config: %s", exc)
                 return False
             self.proxy.settings = settings
+            self.proxy.budget.limit = settings.max_inspecting
             if self._http_server is not None:
                 self._http_server.max_connections = _max_connections(cfg)
             await self.fleet.reconfigure(cfg.backends)

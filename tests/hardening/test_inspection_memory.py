@@ -1,0 +1,202 @@
+"""Hardening II, item 2: inspecting large bodies takes bounded memory and a bounded stall.
+
+Measured on a real gateway process with the shipped limits (64 MiB bodies, 256 MiB of
+inspection budget) and a stub backend in a process of its own: dense one-digit token-id
+bodies of 64 MiB, one and two at once. Before gateway/skim.py one such body took the
+gateway from 54 MiB to a 950 MiB peak and two passed 1 GiB, the sidecar manifest's limit.
+The formula (docs/hardening.md, "Memory per request"): about 2 x the body while it is read
+and forwarded, plus the parse of what is left after the skim, charged to the budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from gateway.budget import InspectionBudget, TooCostly, parse_cost
+from tests.conftest import ROOT, GatewayFactory, gw_url, read_match, start_stub_process
+
+MIB = 1 << 20
+SIDECAR_LIMIT = 1024 * MIB  # docker/k8s/sidecar/deployment.yaml
+
+
+def dense_body(size: int) -> bytes:
+    head, tail = b'{"input_ids": [', b'1], "sampling_params": {"top_k": 2}}'
+    return head + b"1," * ((size - len(head) - len(tail)) // 2) + tail
+
+
+def _status_kib(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(field)
+
+
+async def _post(port: int, body: bytes) -> int:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            f"http://127.0.0.1:{port}/generate",
+            data=io.BytesIO(body),
+            headers={"Content-Type": "application/json"},
+            timeout=aiohttp.ClientTimeout(total=120),
+        ) as r,
+    ):
+        await r.read()
+        return r.status
+
+
+@pytest.mark.parametrize("concurrent", [1, 2])
+async def test_peak_memory_of_64_mib_token_bodies_with_the_shipped_limits(
+    tmp_path: Path, concurrent: int
+) -> None:
+    stub, stub_url = await start_stub_process()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(
+        "listen: {host: 127.0.0.1, port: 0}\nadmin: {host: 127.0.0.1, port: 0}\n"
+        f"backends: {{static: ['{stub_url}'], health: {{enabled: false}}}}\n"
+        "logging: {access_log: false}\n"
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway", "--config", str(cfg), cwd=ROOT,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        m = await read_match(proc.stderr, r"listening on 127\.0\.0\.1:(\d+)")
+        port = int(m.group(1))
+        body = dense_body(64 * MIB - 4096)  # under limits.max_body_bytes (64 MiB)
+        assert await _post(port, b'{"text": "warm", "sampling_params": {"top_k": 2}}') == 200
+        base = _status_kib(proc.pid, "VmRSS") * 1024
+        statuses = await asyncio.gather(*(_post(port, body) for _ in range(concurrent)))
+        peak = _status_kib(proc.pid, "VmHWM") * 1024
+    finally:
+        proc.kill()
+        await proc.wait()
+        stub.kill()
+        await stub.wait()
+    assert statuses == [200] * concurrent
+    grew = peak - base
+    # About two copies of each body (read, then joined; forwarded as is) and little else.
+    assert grew <= concurrent * 2.5 * len(body), f"{grew / MIB:.0f} MiB"
+    assert peak < SIDECAR_LIMIT
+
+
+async def test_a_64_mib_body_never_stalls_the_loop_for_long(make_gateway: GatewayFactory) -> None:
+    """The loop keeps turning while one large body is read, skimmed, parsed and forwarded.
+
+    The client writes from a thread and the stub runs in its own process, so the only work
+    on this loop is the gateway's."""
+    stub, stub_url = await start_stub_process()
+    try:
+        gw = await make_gateway(stub_url, backends={"health": {"enabled": False}})
+        body = dense_body(64 * MIB - 4096)
+        request = (
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
+        )
+        reply: list[bytes] = []
+
+        def client() -> None:
+            with socket.create_connection(("127.0.0.1", gw.port), timeout=60) as sock:
+                sock.sendall(request)
+                sock.sendall(body)
+                while chunk := sock.recv(65536):
+                    reply.append(chunk)
+
+        loop = asyncio.get_running_loop()
+        worst = 0.0
+        thread = threading.Thread(target=client)
+        thread.start()
+        last = time.perf_counter()
+        while thread.is_alive():
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            worst = max(worst, now - last)
+            last = now
+        thread.join()
+        assert b"".join(reply).startswith(b"HTTP/1.1 200 ")
+        del loop
+        # Before the skim: 2.4 s in one parse. Now the longest single step is a scan of the
+        # body at C speed (about 50 ms here); the bound leaves room for a loaded machine.
+        assert worst < 0.5, f"the loop stalled for {worst * 1000:.0f} ms"
+    finally:
+        stub.kill()
+        await stub.wait()
+
+
+async def test_a_body_too_costly_to_inspect_is_413_and_a_busy_budget_503(
+    make_gateway: GatewayFactory,
+) -> None:
+    stub, stub_url = await start_stub_process()
+    try:
+        gw = await make_gateway(
+            stub_url,
+            backends={"health": {"enabled": False}, "queue_timeout_s": 0.05},
+            limits={"max_inspecting_bytes": 16 * MIB},
+        )
+        # A batch of 600k one-letter prompts: no integer run to skim; its parse alone would
+        # cost about 2 x 3.6 MiB + 24 x 600k values, past the 16 MiB budget.
+        texts = b'{"text": [' + b'"a",' * 600_000 + b'"a"], "sampling_params": {"top_k": 2}}'
+        assert parse_cost(texts) > 16 * MIB
+        async with aiohttp.ClientSession() as s:
+            json = {"Content-Type": "application/json"}
+            async with s.post(gw_url(gw, "/generate"), data=io.BytesIO(texts), headers=json) as r:
+                assert r.status == 413
+                assert "max_inspecting_bytes" in (await r.json())["error"]["message"]
+            # While the budget is held, another inspection waits queue_timeout_s, then 503.
+            assert gw.proxy is not None
+            budget = gw.proxy.budget
+            assert budget.try_acquire(budget.limit)
+            try:
+                small = b'{"text": "x", "sampling_params": {"top_k": 2}}'
+                async with s.post(gw_url(gw, "/generate"), data=small, headers=json) as r:
+                    assert r.status == 503
+                    assert r.headers["Retry-After"] == "1"
+            finally:
+                budget.release(budget.limit)
+            async with s.post(gw_url(gw, "/generate"), data=small, headers=json) as r:
+                assert r.status == 200
+        assert budget.used == 0 and budget.refused == 1
+    finally:
+        stub.kill()
+        await stub.wait()
+
+
+async def test_budget_grants_in_order_and_hands_on_what_a_leaver_was_given() -> None:
+    budget = InspectionBudget(100)
+    assert budget.try_acquire(60)
+    with pytest.raises(TooCostly):
+        budget.try_acquire(101)
+    order: list[str] = []
+
+    async def take(name: str, cost: int, timeout: float = 2) -> bool:
+        ok = await budget.acquire(cost, timeout)
+        order.append(name if ok else f"{name}:timeout")
+        return ok
+
+    big = asyncio.create_task(take("big", 80))
+    small = asyncio.create_task(take("small", 10))  # fits now, but waits behind big
+    gone = asyncio.create_task(take("gone", 5, timeout=0.05))
+    await asyncio.sleep(0.1)
+    assert order == ["gone:timeout"] and await gone is False
+    budget.release(60)
+    await asyncio.gather(big, small)
+    assert order == ["gone:timeout", "big", "small"]
+    assert budget.used == 90
+    # A waiter cancelled as it was granted hands its share on.
+    waiter = asyncio.create_task(budget.acquire(50, 2))
+    await asyncio.sleep(0)
+    budget.release(90)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert budget.used == 0

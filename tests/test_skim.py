@@ -1,0 +1,201 @@
+"""Large integer arrays skimmed, not parsed (gateway/skim.py): read exactly as orjson reads.
+
+The skim must never change a verdict: a body orjson refuses is refused (and one it reads
+is read), and where the body is read the policy decides exactly as on orjson's full
+reading, with the same shapes (batch sizes, first elements). Bodies here are past the
+1 MiB threshold, built around dense token-id arrays, then broken in the ways a run can
+be: bad numbers, signs, leading zeros, blanks, empty elements, missing brackets, strings
+and objects inside, duplicated keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import orjson
+import pytest
+
+from gateway.budget import InspectionBudget
+from gateway.inspection import inspect_large
+from gateway.jsonview import Head
+from gateway.policy import MaskPolicy
+from gateway.routes import Kind
+from gateway.skim import SKIM_MIN_BODY, _valid_slice, skim
+
+POLICY = MaskPolicy(max_n=1024)
+KINDS = [Kind.GENERATE, Kind.VERTEX, Kind.CHAT, Kind.COMPLETIONS, Kind.RESPONSES]
+SHAPE = frozenset({"input_ids", "input_embeds"})
+N = SKIM_MIN_BODY // 2  # elements: bodies land past the threshold
+
+
+def _ids(rng: random.Random, n: int, width: int) -> bytes:
+    sep = rng.choice([b",", b", ", b" , ", b",\n  "])
+    top = 10**width
+    return sep.join(str(rng.randrange(top)).encode() for _ in range(n))
+
+
+def _body(rng: random.Random) -> bytes:
+    width = rng.choice([1, 3, 5])
+    shape = rng.choice(["flat", "batch", "mixed"])
+    if shape == "flat":
+        ids = b"[" + _ids(rng, N, width) + b"]"
+    elif shape == "batch":
+        ids = b"[" + b",".join(b"[" + _ids(rng, N // 4, width) + b"]" for _ in range(4)) + b"]"
+    else:  # a list first, then numbers: a batch whose later items are not lists
+        ids = b"[[1, 2]," + _ids(rng, N, width) + b"]"
+    mask = rng.choice([b"true", b"false", b"[true, false]", b"1"])
+    params = rng.choice([b'{"top_k": 2}', b'{"top_p": 0.9}', b"[{}, {}]", b"{}"])
+    members = [b'"input_ids": ' + ids, b'"return_sampling_mask": ' + mask]
+    members.append(b'"sampling_params": ' + params)
+    rng.shuffle(members)
+    return b"{" + b", ".join(members) + b"}"
+
+
+_BREAKS = [
+    b",,",
+    b"-",
+    b"--1",
+    b"01",
+    b"-01",
+    b"1 2",
+    b"1.5",
+    b"1e400",
+    b"9" * 20,
+    b"9" * 400,
+    b'"x"',
+    b"{}",
+    b"[",
+    b"]",
+    b"",
+    b"\x00",
+    b"-0",
+    b"0",
+    b"true",
+    b"\t",
+]
+
+
+def _mutate(rng: random.Random, body: bytes) -> bytes:
+    kind = rng.randrange(4)
+    at = rng.randrange(len(body) // 4, len(body) - 10)
+    if kind == 0:  # replace an element
+        start = body.find(b",", at) + 1
+        end = body.find(b",", start)
+        if start <= 0 or end < 0:
+            return body
+        return body[:start] + rng.choice(_BREAKS) + body[end:]
+    if kind == 1:  # insert a break between elements
+        start = body.find(b",", at)
+        return body if start < 0 else body[:start] + b"," + rng.choice(_BREAKS) + body[start:]
+    if kind == 2:  # duplicate the input_ids key at the end
+        return body[:-1] + b', "input_ids": [3, 4]}'
+    return body[: rng.randrange(len(body) - 100, len(body))]  # truncated
+
+
+def _full(body: bytes) -> tuple[bool, Any]:
+    try:
+        return True, orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False, None
+
+
+async def _verdict(kind: Kind, body: bytes) -> Any:
+    return await inspect_large(kind, body, POLICY, InspectionBudget(1 << 30), wait_s=1)
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_skimmed_bodies_are_judged_exactly_as_on_orjsons_full_reading(seed: int) -> None:
+    rng = random.Random(seed)
+    skimmed = 0
+    for i in range(9):
+        body = _body(rng)
+        if i % 3:
+            body = _mutate(rng, body)
+        assert len(body) >= SKIM_MIN_BODY
+        ok, full = _full(body)
+        result = await skim(body, SHAPE)
+        skimmed += result is not None
+        for kind in KINDS:
+            got = await _verdict(kind, body)
+            if not ok:
+                assert got is not None and got.reason == "invalid_json", (kind, body[:80])
+            elif not isinstance(full, dict):
+                assert got is not None and got.reason == "not_an_object"
+            else:
+                assert got == POLICY.check(kind, full), (kind, body[:120])
+    assert skimmed >= 3  # the runs were really skimmed, not all left to the parser
+
+
+async def test_the_view_keeps_every_shape() -> None:
+    from gateway.inspection import parse_object
+
+    flat = b'{"input_ids": [' + b"7," * N + b"7]}"
+    batch = b'{"input_ids": [' + b",".join([b"[" + b"1," * N + b"1]"] * 3) + b"]}"
+    mixed = b'{"input_ids": [[1, 2],' + b"5," * N + b"5]}"
+    for body, length, first in ((flat, N + 1, 7), (batch, 3, None), (mixed, N + 2, [1, 2])):
+        result = await skim(body, SHAPE)
+        assert result is not None and len(result.body) < 100
+        view = parse_object(body, Kind.GENERATE, result)
+        assert isinstance(view, dict)
+        ids = view["input_ids"]
+        assert isinstance(ids, Head | list) and len(ids) == length
+        full = orjson.loads(body)["input_ids"]
+        assert len(full) == length
+        if first is not None:
+            assert ids[0] == first or (first == 7 and ids[0] == 0)
+        else:
+            assert isinstance(ids[0], list) and isinstance(full[0], list)
+
+
+async def test_an_error_is_reported_where_it_is_in_the_original_body() -> None:
+    body = b'{"input_ids": [' + b"1,\n" * N + b'1], \n  "a": [1, 2 3]}'
+    result = await skim(body, SHAPE)
+    assert result is not None
+    got = await _verdict(Kind.GENERATE, body)
+    try:
+        orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        expected = f"(line {exc.lineno}, column {exc.colno})"
+    assert got is not None and expected in got.message
+
+
+def test_slices_agree_with_orjson_on_random_lists() -> None:
+    rng = random.Random(7)
+    tokens = [b"0", b"1", b"-1", b"05", b"-0", b"00", b"-", b"--1", b"1-", b" ", b""]
+    tokens += [b"123", b"1 2", b"9" * 20, b"9" * 19, b"-05", b"10", b"1\t", b"\n2"]
+    for _ in range(20_000):
+        k = rng.randint(1, 6)
+        parts = [rng.choice(tokens) for _ in range(k)]
+        seps = [rng.choice([b",", b", ", b" ,", b",   ", b",,", b" , "]) for _ in range(k - 1)]
+        piece = parts[0] + b"".join(sep + part for sep, part in zip(seps, parts[1:], strict=True))
+        counted = _valid_slice(piece)
+        if counted is None:
+            continue  # left to the parser: always safe
+        value = orjson.loads(b"[" + piece + b"]")
+        assert all(type(v) is int for v in value), piece
+        assert counted == len(value), piece
+
+
+async def test_skim_yields_to_the_loop() -> None:
+    body = b'{"input_ids": [' + b"1," * (8 << 20) + b"1]}"
+    loop = asyncio.get_running_loop()
+    gaps: list[float] = []
+    done = False
+
+    async def tick() -> None:
+        last = loop.time()
+        while not done:
+            await asyncio.sleep(0)
+            now = loop.time()
+            gaps.append(now - last)
+            last = now
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0)
+    result = await skim(body, SHAPE)
+    done = True
+    await ticker
+    assert result is not None and result.extra_elements == {"input_ids": 8 << 20}
+    assert len(gaps) > 10  # other tasks ran while 16 MiB were checked
