@@ -195,6 +195,140 @@ MUTATIONS = [
         "        return out\n\n    @staticmethod",
         ["tests/hardening/test_load.py::test_exactly_once_accounting"],
     ),
+    # -- Hardening II (issue 12) ------------------------------------------------------------
+    (
+        "bytes arriving on an idle upstream connection are parsed",
+        "gateway/upstream.py",
+        "        if data and not self.expecting:\n            self._refuse()\n            return\n",
+        "",
+        ["tests/hardening/test_stray_responses.py"],
+    ),
+    (
+        "a second response in one read is queued",
+        "gateway/upstream.py",
+        "        if self.final_head:\n",
+        "        if False:\n",
+        ["tests/hardening/test_stray_responses.py"],
+    ),
+    (
+        "interim responses not capped",
+        "gateway/upstream.py",
+        "            if self.interim > MAX_INTERIM_RESPONSES:",
+        "            if False:",
+        ["tests/hardening/test_protocol_edges.py::test_interim_and_switching_responses"],
+    ),
+    (
+        "101 relayed",
+        "gateway/upstream.py",
+        "                if message.code == 101:",
+        "                if False:",
+        ["tests/hardening/test_protocol_edges.py::test_interim_and_switching_responses"],
+    ),
+    (
+        # Two layers, removed together: the handler's own quiet error path, and the filter
+        # on aiohttp's loggers (either alone keeps the secrets out).
+        "parser refusals logged with aiohttp's message",
+        "gateway/server.py",
+        (
+            "        manager = self._manager\n        if isinstance(manager, _Server):\n            manager.count_refused(status)\n",
+            "        install_log_redaction()\n",
+        ),
+        (
+            "        super().handle_error(request, status, exc, None)\n        manager = self._manager\n        if isinstance(manager, _Server):\n            manager.count_refused(status)\n",
+            "",
+        ),
+        ["tests/hardening/test_log_secrets.py"],
+    ),
+    (
+        "EMFILE counted against the backend",
+        "gateway/upstream.py",
+        "            if is_local(exc):",
+        "            if False:",
+        ["tests/hardening/test_descriptors.py::test_out_of_descriptors_never_ejects_a_backend"],
+    ),
+    (
+        "client connections not capped",
+        "gateway/server.py",
+        "        if isinstance(manager, _Server) and manager.full():",
+        "        if False:",
+        [
+            "tests/hardening/test_descriptors.py::test_default_limit_refuses_excess_connections_and_keeps_serving"
+        ],
+    ),
+    (
+        "workers read the operator's file",
+        "gateway/workers.py",
+        '        return ["--config", str(self.snapshot), "--worker-index", str(w.index)]',
+        '        return ["--config", str(self._config_path), "--worker-index", str(w.index)]',
+        ["tests/hardening/test_supervisor.py"],
+    ),
+    (
+        "workers hold no lifeline",
+        "gateway/server.py",
+        "        hold_lifeline(orphaned)\n",
+        "",
+        ["tests/hardening/test_supervisor.py::test_workers_exit_when_the_supervisor_is_killed"],
+    ),
+    (
+        "drain waits the grace twice",
+        "gateway/server.py",
+        "server, handle_signals=False, shutdown_timeout=_CANCEL_WAIT_S",
+        "server, handle_signals=False, shutdown_timeout=self.cfg.timeouts.shutdown_grace_s",
+        [
+            "tests/hardening/test_protocol_edges.py::test_drain_cuts_streams_at_the_grace_not_twice_it"
+        ],
+    ),
+    (
+        "Content-Encoding read from its first line only",
+        "gateway/proxy.py",
+        '            None if encodings is None else ", ".join(encodings),',
+        "            None if encodings is None else encodings[0],",
+        ["tests/hardening/test_protocol_edges.py::test_content_encoding_on_any_line_is_refused"],
+    ),
+    (
+        "100 Continue for HTTP/1.0",
+        "gateway/proxy.py",
+        "            request.version >= (1, 1)  # HTTP/1.0 has no 100 (RFC 9110 s.10.1.1)",
+        "            True",
+        ["tests/hardening/test_protocol_edges.py::test_100_continue_only_for_http_1_1"],
+    ),
+    (
+        "orjson-sensitive bodies read by simdjson",
+        "gateway/inspection.py",
+        "or _ORJSON_SENSITIVE.match(parsed):",
+        "or False:",
+        ["tests/test_jsonview.py::test_bodies_orjson_cannot_allocate_for_are_refused_like_orjson"],
+    ),
+    (
+        "skim accepts leading zeros",
+        "gateway/skim.py",
+        'if b",zd" in opened or b",zz" in opened:',
+        "if False:",
+        ["tests/test_skim.py::test_slices_agree_with_orjson_on_random_lists"],
+    ),
+    (
+        "skim forgets the lengths it removed",
+        "gateway/inspection.py",
+        "                obj[key] = Head(value[0], len(value) + extra)",
+        "                pass",
+        ["tests/test_skim.py::test_the_view_keeps_every_shape"],
+    ),
+    (
+        "inspection budget never refuses",
+        "gateway/budget.py",
+        "        if cost > self.limit:\n            raise TooCostly",
+        "        if False:\n            raise TooCostly",
+        [
+            "tests/hardening/test_inspection_memory.py::test_a_body_too_costly_to_inspect_is_413_and_a_busy_budget_503"
+        ],
+    ),
+    (
+        "large bodies parsed whole (no skim)",
+        "gateway/inspection.py",
+        "    skimmed = None if _ORJSON_SENSITIVE.match(body) else await skim(body, SHAPE_ONLY)",
+        "    skimmed = None",
+        ["tests/hardening/test_inspection_memory.py"],
+    ),
 ]
 
 
@@ -214,10 +348,16 @@ def main(argv: list[str]) -> int:
                 continue
             target = copy / path
             original = target.read_text()
-            if old not in original:
+            # One edit, or several (a tuple of anchors and one of replacements) at once.
+            olds = old if isinstance(old, tuple) else (old,)
+            news = new if isinstance(new, tuple) else (new,)
+            if any(anchor not in original for anchor in olds):
                 print(f"[{i}] {name}: anchor moved, not run")
                 continue
-            target.write_text(original.replace(old, new, 1))
+            mutated = original
+            for anchor, replacement in zip(olds, news, strict=True):
+                mutated = mutated.replace(anchor, replacement, 1)
+            target.write_text(mutated)
             try:
                 run = subprocess.run(
                     [*PYTEST, *tests],

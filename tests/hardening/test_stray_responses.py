@@ -21,6 +21,8 @@ from tests.conftest import GatewayFactory, gw_url
 STRAY = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 16\r\n\r\n"
 STRAY += b'{"tag": "stray"}'
 TIMEOUT_408 = b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n\r\n"
+# Half a response head, never finished: parsed, it would garble the next real answer.
+PARTIAL = b"HTTP/1.1 200 OK\r\nContent-Le"
 
 
 def _reply(tag: bytes) -> bytes:
@@ -36,7 +38,8 @@ class StrayBackend:
     """Answers each request with its X-Tag, then misbehaves according to `mode`:
     idle (a stray response 30 ms after each answer, connection kept open), trailing (a stray
     response in the same write as the answer), idle_408 (a 408 30 ms after each answer, kept
-    open), interim_after (a 100 Continue after the answer)."""
+    open), idle_partial (half a response head 30 ms after each answer), interim_after (a 100
+    Continue after the answer)."""
 
     mode: str
     requests: int = 0
@@ -76,7 +79,7 @@ class StrayBackend:
                     writer.write(_reply(tag) + b"HTTP/1.1 100 Continue\r\n\r\n")
                 else:
                     writer.write(_reply(tag))
-                    extra = TIMEOUT_408 if self.mode == "idle_408" else STRAY
+                    extra = {"idle_408": TIMEOUT_408, "idle_partial": PARTIAL}.get(self.mode, STRAY)
                     task = asyncio.create_task(self._later(writer, extra))
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
@@ -93,7 +96,7 @@ class StrayBackend:
             writer.write(data)
 
 
-@pytest.mark.parametrize("mode", ["idle", "trailing", "idle_408", "interim_after"])
+@pytest.mark.parametrize("mode", ["idle", "trailing", "idle_408", "idle_partial", "interim_after"])
 async def test_no_client_ever_gets_a_response_it_did_not_ask_for(
     make_gateway: GatewayFactory, mode: str
 ) -> None:
