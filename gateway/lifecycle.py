@@ -12,10 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Final
+
+from gateway import config as config_mod
+from gateway.config import ConfigError, GatewayConfig
+
+log = logging.getLogger("gateway.reload")
 
 LIFELINE_ENV: Final = "SGLANG_GATEWAY_LIFELINE_FD"
 
@@ -39,6 +45,23 @@ async def watch_mtime(
         if now is not None and now != last:
             last = now
             await on_change()
+
+
+async def read_reload(
+    path: str, overrides: Mapping[str, object], running: GatewayConfig
+) -> GatewayConfig | None:
+    """The config a reload of `path` would run, or None (logged) when the file is refused.
+
+    Read and validated off the loop, so requests keep flowing meanwhile; restart-only
+    settings keep their running values (config.as_reloaded)."""
+    try:
+        cfg = await asyncio.to_thread(config_mod.load, path, overrides)
+    except ConfigError as exc:
+        log.error("reload refused, keeping the running config:\n%s", exc)
+        return None
+    for key in config_mod.restart_only_changes(cfg, running):
+        log.warning("reload: %s changed; it takes effect only after a restart", key)
+    return config_mod.as_reloaded(cfg, running)
 
 
 def hold_lifeline(on_lost: Callable[[], None]) -> bool:

@@ -23,11 +23,11 @@ from gateway import config as config_mod
 from gateway import errors
 from gateway.admin import make_admin_app
 from gateway.backends import BackendPool
-from gateway.config import ConfigError, GatewayConfig
+from gateway.config import GatewayConfig
 from gateway.discovery import Resolver
 from gateway.fleet import Fleet
 from gateway.headers import SERVER
-from gateway.lifecycle import hold_lifeline, watch_mtime
+from gateway.lifecycle import hold_lifeline, read_reload, watch_mtime
 from gateway.metrics import FleetCollector, Metrics
 from gateway.observe import AccessLog, Observer
 from gateway.proxy import BUFFERED_BODY_MAX, Proxy, ProxySettings
@@ -331,18 +331,13 @@ class Gateway:
                 if self.config_path is None:
                     log.warning("reload requested, but the gateway was started without --config")
                     return False
-                try:
-                    # File reads and validation off the loop: requests keep flowing meanwhile.
-                    cfg = await asyncio.to_thread(
-                        config_mod.load, self.config_path, self._overrides
-                    )
-                except ConfigError as exc:
+                loaded = await read_reload(self.config_path, self._overrides, self.cfg)
+                if loaded is None:
                     self.reload_failures += 1
-                    log.error("reload refused, keeping the running config:\n%s", exc)
                     return False
-            for key in config_mod.restart_only_changes(cfg, self.cfg):
-                log.warning("reload: %s changed; it takes effect only after a restart", key)
-            cfg = config_mod.as_reloaded(cfg, self.cfg)
+                cfg = loaded
+            else:
+                cfg = config_mod.as_reloaded(cfg, self.cfg)
             assert self.proxy is not None
             try:
                 settings = await asyncio.to_thread(ProxySettings.from_config, cfg)

@@ -39,8 +39,8 @@ from prometheus_client.registry import Collector
 
 from gateway import config as config_mod
 from gateway.admin import make_admin_app
-from gateway.config import ConfigError, GatewayConfig
-from gateway.lifecycle import LIFELINE_ENV, watch_mtime
+from gateway.config import GatewayConfig
+from gateway.lifecycle import LIFELINE_ENV, read_reload, watch_mtime
 
 log = logging.getLogger("gateway.workers")
 
@@ -140,15 +140,10 @@ class Supervisor:
             if self._config_path is None:
                 log.warning("reload requested, but the gateway was started without --config")
                 return False
-            try:
-                cfg = await asyncio.to_thread(config_mod.load, self._config_path, self._overrides)
-            except ConfigError as exc:
-                self.reload_failures += 1
-                log.error("reload refused, the workers keep the running config:\n%s", exc)
+            cfg = await read_reload(self._config_path, self._overrides, self.cfg)
+            if cfg is None:
+                self.reload_failures += 1  # the workers keep the running config
                 return False
-            for key in config_mod.restart_only_changes(cfg, self.cfg):
-                log.warning("reload: %s changed; it takes effect only after a restart", key)
-            cfg = config_mod.as_reloaded(cfg, self.cfg)
             await asyncio.to_thread(self._write_snapshot, cfg)
             self.cfg = cfg
             self.reloads += 1

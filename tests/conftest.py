@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -152,3 +154,51 @@ async def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
     async with asyncio.timeout(timeout):
         while not predicate():
             await asyncio.sleep(0.01)
+
+
+@dataclass
+class GatewayProcess:
+    proc: asyncio.subprocess.Process
+    port: int
+    admin: int
+
+
+@contextlib.asynccontextmanager
+async def gateway_process(
+    config: str, tmp_path: Path, *, stdout: int = asyncio.subprocess.DEVNULL, **kwargs: Any
+) -> AsyncIterator[GatewayProcess]:
+    """`python -m gateway --config` on a config file with ephemeral ports (listen and admin
+    port 0), until it says where it listens; killed on the way out unless it has exited.
+
+    stderr is read until that line, then drained in the background so the pipe never fills.
+    """
+    cfg = tmp_path / "gateway-process.yaml"
+    cfg.write_text(config)
+    proc = await spawn(
+        "gateway", "--config", str(cfg), stdout=stdout, stderr=asyncio.subprocess.PIPE, **kwargs
+    )
+    drain: asyncio.Task[bytes] | None = None
+    try:
+        m = await read_match(
+            proc.stderr, r"listening on 127\.0\.0\.1:(\d+) \(admin 127\.0\.0\.1:(\d+)\)"
+        )
+        assert proc.stderr is not None
+        if stdout != asyncio.subprocess.PIPE:
+            drain = asyncio.create_task(proc.stderr.read())
+        yield GatewayProcess(proc, int(m.group(1)), int(m.group(2)))
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+        if drain is not None:
+            drain.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await drain
+
+
+def process_config(backend_url: str, extra: str = "") -> str:
+    """A minimal config for gateway_process: loopback, ephemeral ports, no health probes."""
+    return (
+        "listen: {host: 127.0.0.1, port: 0}\nadmin: {host: 127.0.0.1, port: 0}\n"
+        f"backends: {{static: ['{backend_url}'], health: {{enabled: false}}}}\n" + extra
+    )

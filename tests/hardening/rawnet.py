@@ -219,3 +219,56 @@ class FaultBackend:
             await writer.drain()
         writer.close()
         return False
+
+
+class ScriptedBackend:
+    """A TCP server that reads requests one after another on each connection (head, then a
+    Content-Length body) and lets `answer` write whatever it likes for each; counts them.
+    `stop()` closes every connection it holds."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def stop(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in list(self._writers):
+            writer.transport.abort()
+        await self._server.wait_closed()
+
+    async def answer(self, head: bytes, writer: asyncio.StreamWriter) -> bool:
+        """Write the answer to one request; False ends the connection."""
+        raise NotImplementedError
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        await reader.readexactly(int(line.split(b":", 1)[1]))
+                self.requests += 1
+                if not await self.answer(head, writer):
+                    break
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self._writers.discard(writer)
+            writer.close()
+
+
+def header(head: bytes, name: bytes) -> bytes | None:
+    """A header's value in a raw request head (the first line that names it)."""
+    for line in head.split(b"\r\n")[1:]:
+        key, _, value = line.partition(b":")
+        if key.strip().lower() == name.lower():
+            return value.strip()
+    return None

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import resource
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.stub import StubBackend
-from tests.conftest import ROOT, read_match
+from tests.conftest import gateway_process, process_config
 
 NOFILE = 256
 OK = orjson.dumps({"text": "x", "sampling_params": {"top_k": 2}})
@@ -33,32 +32,10 @@ def _limit_fds() -> None:
 
 @contextlib.asynccontextmanager
 async def gateway(stub: StubBackend, tmp_path: Path, limits: str) -> AsyncIterator[tuple[int, int]]:
-    cfg = tmp_path / "gw.yaml"
-    cfg.write_text(
-        "listen: {host: 127.0.0.1, port: 0}\nadmin: {host: 127.0.0.1, port: 0}\n"
-        f"backends: {{static: ['{stub.url}'], health: {{interval_s: 0.2}}}}\n"
-        f"limits: {{{limits}}}\nlogging: {{access_log: false}}\n"
-    )
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "gateway",
-        "--config",
-        str(cfg),
-        cwd=ROOT,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-        preexec_fn=_limit_fds,
-    )
-    try:
-        m = await read_match(proc.stderr, r"listening on 127\.0\.0\.1:(\d+) \(admin [\d.]+:(\d+)\)")
-        assert proc.stderr is not None
-        drain = asyncio.create_task(proc.stderr.read())  # never let the pipe fill
-        yield int(m.group(1)), int(m.group(2))
-        drain.cancel()
-    finally:
-        proc.kill()
-        await proc.wait()
+    config = process_config(stub.url, f"limits: {{{limits}}}\nlogging: {{access_log: false}}\n")
+    config = config.replace("health: {enabled: false}", "health: {interval_s: 0.2}")
+    async with gateway_process(config, tmp_path, preexec_fn=_limit_fds) as gw:
+        yield gw.port, gw.admin
 
 
 async def _metrics(admin: int) -> dict[str, float]:

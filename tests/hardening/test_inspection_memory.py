@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import io
 import socket
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,7 +21,13 @@ import aiohttp
 import pytest
 
 from gateway.budget import InspectionBudget, TooCostly, parse_cost
-from tests.conftest import ROOT, GatewayFactory, gw_url, read_match, start_stub_process
+from tests.conftest import (
+    GatewayFactory,
+    gateway_process,
+    gw_url,
+    process_config,
+    start_stub_process,
+)
 
 MIB = 1 << 20
 SIDECAR_LIMIT = 1024 * MIB  # docker/k8s/sidecar/deployment.yaml
@@ -60,27 +65,15 @@ async def test_peak_memory_of_64_mib_token_bodies_with_the_shipped_limits(
     tmp_path: Path, concurrent: int
 ) -> None:
     stub, stub_url = await start_stub_process()
-    cfg = tmp_path / "gw.yaml"
-    cfg.write_text(
-        "listen: {host: 127.0.0.1, port: 0}\nadmin: {host: 127.0.0.1, port: 0}\n"
-        f"backends: {{static: ['{stub_url}'], health: {{enabled: false}}}}\n"
-        "logging: {access_log: false}\n"
-    )
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway", "--config", str(cfg), cwd=ROOT,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
     try:
-        m = await read_match(proc.stderr, r"listening on 127\.0\.0\.1:(\d+)")
-        port = int(m.group(1))
-        body = dense_body(64 * MIB - 4096)  # under limits.max_body_bytes (64 MiB)
-        assert await _post(port, b'{"text": "warm", "sampling_params": {"top_k": 2}}') == 200
-        base = _status_kib(proc.pid, "VmRSS") * 1024
-        statuses = await asyncio.gather(*(_post(port, body) for _ in range(concurrent)))
-        peak = _status_kib(proc.pid, "VmHWM") * 1024
+        async with gateway_process(process_config(stub_url), tmp_path) as gw:
+            body = dense_body(64 * MIB - 4096)  # under limits.max_body_bytes (64 MiB)
+            warm = b'{"text": "warm", "sampling_params": {"top_k": 2}}'
+            assert await _post(gw.port, warm) == 200
+            base = _status_kib(gw.proc.pid, "VmRSS") * 1024
+            statuses = await asyncio.gather(*(_post(gw.port, body) for _ in range(concurrent)))
+            peak = _status_kib(gw.proc.pid, "VmHWM") * 1024
     finally:
-        proc.kill()
-        await proc.wait()
         stub.kill()
         await stub.wait()
     assert statuses == [200] * concurrent

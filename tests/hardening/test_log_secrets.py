@@ -10,13 +10,12 @@ for the secrets. The requests themselves must still get their defined answers.
 from __future__ import annotations
 
 import asyncio
-import sys
 from pathlib import Path
 
 import pytest
 
 from gateway.stub import StubBackend
-from tests.conftest import ROOT, read_match
+from tests.conftest import gateway_process, process_config
 from tests.hardening.rawnet import parse_responses, raw_exchange
 
 SECRETS = (b"sk-LOGSECRET", b"COOKIESECRET", b"PROMPTSECRET", b"LINESECRET", b"NAMESECRET")
@@ -43,33 +42,17 @@ REQUESTS = [
 async def test_no_log_line_carries_header_values_or_body_bytes(
     stub: StubBackend, tmp_path: Path, fmt: str
 ) -> None:
-    cfg = tmp_path / "gw.yaml"
-    cfg.write_text(
-        "listen: {host: 127.0.0.1, port: 0}\nadmin: {host: 127.0.0.1, port: 0}\n"
-        f"backends: {{static: ['{stub.url}'], health: {{enabled: false}}}}\n"
-        f"logging: {{level: debug, access_log: true, format: {fmt}}}\n"
+    config = process_config(
+        stub.url, f"logging: {{level: debug, access_log: true, format: {fmt}}}\n"
     )
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "gateway",
-        "--config",
-        str(cfg),
-        cwd=ROOT,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env={"PYTHONASYNCIODEBUG": "1", "PATH": "/usr/bin:/bin"},
-    )
-    try:
-        m = await read_match(proc.stderr, r"listening on 127\.0\.0\.1:(\d+)")
-        port = int(m.group(1))
+    env = {"PYTHONASYNCIODEBUG": "1", "PATH": "/usr/bin:/bin"}
+    async with gateway_process(config, tmp_path, stdout=asyncio.subprocess.PIPE, env=env) as gw:
         statuses = []
         for data in REQUESTS:
-            answers = parse_responses(await raw_exchange(port, data, timeout=2))
+            answers = parse_responses(await raw_exchange(gw.port, data, timeout=2))
             statuses.append([r.status for r in answers])
-    finally:
-        proc.terminate()
-        out, err = await proc.communicate()
+        gw.proc.terminate()
+        out, err = await gw.proc.communicate()
     # Every connection ends with the defined answer to what cannot be parsed: a 400 (the
     # valid generation before the stray bytes is answered first, or not at all when the
     # parser meets both in one read).

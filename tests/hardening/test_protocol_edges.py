@@ -7,9 +7,7 @@ switching protocols; Content-Encoding split over two lines; `100 Continue` for H
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -18,8 +16,8 @@ import orjson
 import pytest
 
 from gateway.stub import StubBackend
-from tests.conftest import ROOT, GatewayFactory, gw_url, read_match
-from tests.hardening.rawnet import raw_exchange
+from tests.conftest import GatewayFactory, gateway_process, gw_url, process_config
+from tests.hardening.rawnet import ScriptedBackend, raw_exchange
 
 OK = orjson.dumps({"text": "x", "sampling_params": {"top_k": 2}})
 STREAM = orjson.dumps({"text": "x", "stream": True, "sampling_params": {"top_k": 2}})
@@ -30,73 +28,40 @@ async def test_drain_cuts_streams_at_the_grace_not_twice_it(
     stub: StubBackend, tmp_path: Path
 ) -> None:
     grace = 2.0
-    cfg = tmp_path / "gw.yaml"
-    cfg.write_text(
-        "listen: {host: 127.0.0.1, port: 0}\nadmin: {host: 127.0.0.1, port: 0}\n"
-        f"backends: {{static: ['{stub.url}'], health: {{enabled: false}}}}\n"
-        f"timeouts: {{shutdown_grace_s: {grace}}}\nlogging: {{access_log: false}}\n"
+    config = process_config(
+        stub.url, f"timeouts: {{shutdown_grace_s: {grace}}}\nlogging: {{access_log: false}}\n"
     )
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway", "--config", str(cfg), cwd=ROOT,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    try:
-        m = await read_match(proc.stderr, r"listening on 127\.0\.0\.1:(\d+)")
-        port = int(m.group(1))
+    async with gateway_process(config, tmp_path) as gw:
         long = {**JSON, "X-Stub-Chunk-Delay-Ms": "100", "X-Stub-Events": "600"}  # 60 s
+        url = f"http://127.0.0.1:{gw.port}/generate"
         async with aiohttp.ClientSession() as s:
-            async with s.post(f"http://127.0.0.1:{port}/generate", data=STREAM, headers=long) as r:
+            async with s.post(url, data=STREAM, headers=long) as r:
                 assert r.status == 200
                 await r.content.readline()  # the stream is under way
                 term = time.monotonic()
-                proc.send_signal(signal.SIGTERM)
+                gw.proc.send_signal(signal.SIGTERM)
                 with pytest.raises(aiohttp.ClientPayloadError):
                     await r.read()
                 cut = time.monotonic() - term
-            assert await asyncio.wait_for(proc.wait(), 10) == 0
+            assert await asyncio.wait_for(gw.proc.wait(), 10) == 0
             exited = time.monotonic() - term
-        # The stream had its grace, and no more than the grace plus the short cancel wait.
-        assert grace - 0.1 <= cut <= grace + 1.0, cut
-        assert exited <= grace + 1.5, exited
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+    # The stream had its grace, and no more than the grace plus the short cancel wait.
+    assert grace - 0.1 <= cut <= grace + 1.0, cut
+    assert exited <= grace + 1.5, exited
 
 
-class _Scripted:
-    """A backend that answers every request with fixed bytes."""
+class _Scripted(ScriptedBackend):
+    """Answers every request with fixed bytes, then holds the connection a moment."""
 
     def __init__(self, answer: bytes) -> None:
-        self.answer = answer
-        self.requests = 0
-        self._server: asyncio.Server | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
+        super().__init__()
+        self.reply = answer
 
-    async def start(self) -> str:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
-
-    async def stop(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        for writer in list(self._writers):
-            writer.transport.abort()
-        await self._server.wait_closed()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writers.add(writer)
-        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
-            head = await reader.readuntil(b"\r\n\r\n")
-            for line in head.split(b"\r\n"):
-                if line.lower().startswith(b"content-length:"):
-                    await reader.readexactly(int(line.split(b":")[1]))
-            self.requests += 1
-            writer.write(self.answer)
-            await writer.drain()
-            await asyncio.sleep(1)
-        self._writers.discard(writer)
-        writer.close()
+    async def answer(self, head: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(self.reply)
+        await writer.drain()
+        await asyncio.sleep(1)
+        return False
 
 
 FINAL = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"

@@ -10,13 +10,12 @@ and misbehave around it; every client must get its own tag back, or an error, ne
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from dataclasses import dataclass, field
 
 import aiohttp
 import pytest
 
 from tests.conftest import GatewayFactory, gw_url
+from tests.hardening.rawnet import ScriptedBackend, header
 
 STRAY = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 16\r\n\r\n"
 STRAY += b'{"tag": "stray"}'
@@ -33,64 +32,34 @@ def _reply(tag: bytes) -> bytes:
     )
 
 
-@dataclass
-class StrayBackend:
+class StrayBackend(ScriptedBackend):
     """Answers each request with its X-Tag, then misbehaves according to `mode`:
     idle (a stray response 30 ms after each answer, connection kept open), trailing (a stray
     response in the same write as the answer), idle_408 (a 408 30 ms after each answer, kept
     open), idle_partial (half a response head 30 ms after each answer), interim_after (a 100
     Continue after the answer)."""
 
-    mode: str
-    requests: int = 0
-    _server: asyncio.Server | None = None
-    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self._later: set[asyncio.Task[None]] = set()
 
-    async def start(self) -> str:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
-
-    async def stop(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        for task in self._tasks:
-            task.cancel()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._server.wait_closed(), 2)
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                tag = b"none"
-                length = 0
-                for line in head.split(b"\r\n"):
-                    name, _, value = line.partition(b":")
-                    if name.lower() == b"x-tag":
-                        tag = value.strip()
-                    elif name.lower() == b"content-length":
-                        length = int(value)
-                if length:
-                    await reader.readexactly(length)
-                self.requests += 1
-                if self.mode == "trailing":
-                    writer.write(_reply(tag) + STRAY)
-                elif self.mode == "interim_after":
-                    writer.write(_reply(tag) + b"HTTP/1.1 100 Continue\r\n\r\n")
-                else:
-                    writer.write(_reply(tag))
-                    extra = {"idle_408": TIMEOUT_408, "idle_partial": PARTIAL}.get(self.mode, STRAY)
-                    task = asyncio.create_task(self._later(writer, extra))
-                    self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
-            pass
-        finally:
-            writer.close()
+    async def answer(self, head: bytes, writer: asyncio.StreamWriter) -> bool:
+        reply = _reply(header(head, b"X-Tag") or b"none")
+        if self.mode == "trailing":
+            writer.write(reply + STRAY)
+        elif self.mode == "interim_after":
+            writer.write(reply + b"HTTP/1.1 100 Continue\r\n\r\n")
+        else:
+            writer.write(reply)
+            extra = {"idle_408": TIMEOUT_408, "idle_partial": PARTIAL}.get(self.mode, STRAY)
+            task = asyncio.create_task(self._write_later(writer, extra))
+            self._later.add(task)
+            task.add_done_callback(self._later.discard)
+        return True
 
     @staticmethod
-    async def _later(writer: asyncio.StreamWriter, data: bytes) -> None:
+    async def _write_later(writer: asyncio.StreamWriter, data: bytes) -> None:
         await asyncio.sleep(0.03)
         if not writer.is_closing():
             writer.write(data)
