@@ -19,8 +19,8 @@ import aiohttp
 from aiohttp import http_parser
 
 from gateway import config as config_mod
-from gateway.alloc import tune_malloc
 from gateway.config import ConfigError, GatewayConfig
+from gateway.runtime import tune_malloc
 
 EXIT_CONFIG = 2
 _MIN_AIOHTTP = (3, 14, 2)
@@ -129,12 +129,12 @@ def run_loop(main: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "stub":
-        from gateway import stub  # noqa: PLC0415 - the stub is only loaded when asked for
+        from gateway.testing import stub  # noqa: PLC0415 - loaded only when asked for
 
         stub.main(argv[1:])
         return 0
     if argv and argv[0] == "demo":
-        from gateway import demo  # noqa: PLC0415
+        from gateway.testing import demo  # noqa: PLC0415
 
         return demo.main(argv[1:])
 
@@ -153,10 +153,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     setup_logging(cfg.logging.level)
     tune_malloc()
-    from gateway.server import serve  # noqa: PLC0415 - keeps --check-config light
+    from gateway.app import serve  # noqa: PLC0415 - keeps --check-config light
 
     if cfg.listen.workers > 1:
-        from gateway.workers import Supervisor  # noqa: PLC0415
+        from gateway.ops.supervisor import Supervisor  # noqa: PLC0415
 
         supervisor = Supervisor(cfg, config_path=args.config, overrides=_overrides(args))
         result: list[int] = []

@@ -25,8 +25,8 @@ from pydantic import (
     model_validator,
 )
 
-from gateway.policy import TOP_K_ALL
-from gateway.routes import GENERATION_ROUTES, canonical_path
+from gateway.contract.policy import TOP_K_ALL
+from gateway.contract.routes import GENERATION_ROUTES, canonical_path
 
 
 class ConfigError(Exception):
@@ -203,7 +203,7 @@ class LimitsConfig(_Model):
     max_body_bytes: Annotated[int, Field(ge=1024, le=1 << 34)] = 64 << 20
     max_header_bytes: Annotated[int, Field(ge=1024, le=1 << 20)] = 16 << 10
     # Memory that inspecting bodies may take at once, counted as each parse's worst case
-    # (gateway/budget.py); more inspections wait up to backends.queue_timeout_s, then 503.
+    # (gateway/edge/budget.py); more inspections wait up to backends.queue_timeout_s, then 503.
     # A body whose inspection alone would exceed it is refused with 413.
     max_inspecting_bytes: Annotated[int, Field(ge=16 << 20, le=1 << 40)] = 256 << 20
     # Client connections held at once; more are answered 503 and closed at once, so the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Fuzz the request inspection (gateway.inspection + gateway.policy) against the SGLang model.
+# Fuzz the request inspection (gateway.contract: inspection, policy) against the SGLang model.
 #   scripts/fuzz.sh [seconds]      default 600
 # Invariants: inspect_body never raises, and never forwards a body that SGLang would run with
 # the sampling mask on and an unbounded top_k. Uses atheris (libFuzzer) when it installs;

@@ -17,9 +17,9 @@ import orjson
 import pytest
 
 from gateway import config as config_mod
-from gateway.discovery import Resolver
-from gateway.server import Gateway
-from gateway.stub import Received, StubBackend
+from gateway.app import Gateway
+from gateway.fleet.discovery import Resolver
+from gateway.testing.stub import Received, StubBackend
 
 GatewayFactory = Callable[..., Awaitable[Gateway]]
 
@@ -124,7 +124,7 @@ async def read_match(
 
 
 async def start_stub_process(*args: str) -> tuple[asyncio.subprocess.Process, str]:
-    proc = await spawn("gateway.stub", "--port", "0", *args, stdout=asyncio.subprocess.PIPE)
+    proc = await spawn("gateway.testing.stub", "--port", "0", *args, stdout=asyncio.subprocess.PIPE)
     m = await read_match(proc.stdout, r"stub listening on (http://\S+)")
     return proc, m.group(1)
 

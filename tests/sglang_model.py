@@ -16,9 +16,9 @@ Ported from SGLang 0.5.19's released source (the PyPI wheel, `python/sglang/srt/
   `_validate_request`, the streaming/meta_info rule, `to_sampling_params`;
 - `managers/scheduler.py`: the mask is read with Python truthiness (`if req.return_sampling_mask`).
 
-It deliberately does NOT import `gateway.lax` or `gateway.policy`: it is the independent
-reading that the gateway's own reading is checked against, so that a misreading in one can
-never be silently copied into the other. pydantic, SGLang's own validation library, does the
+It deliberately does NOT import `gateway.contract.lax` or `gateway.contract.policy`: it is the
+independent reading that the gateway's own reading is checked against, so that a misreading in
+one can never be silently copied into the other. pydantic, SGLang's own validation library, does the
 lax coercions here exactly as it does inside SGLang.
 
 The question it answers for a (method, path, body): does SGLang refuse the request, or which

@@ -1,4 +1,4 @@
-"""gateway/alloc.py: the malloc settings apply on glibc and can be switched off."""
+"""gateway/runtime.py: the malloc settings apply on glibc and can be switched off."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import platform
 
 import pytest
 
-from gateway import alloc
+from gateway import runtime as alloc
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")

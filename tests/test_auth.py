@@ -10,12 +10,12 @@ import openai
 import orjson
 import pytest
 
-from gateway import auth as auth_mod
 from gateway import config as config_mod
-from gateway.auth import ApiKeys
-from gateway.proxy import ProxySettings
-from gateway.server import Gateway
-from gateway.stub import StubBackend
+from gateway.app import Gateway
+from gateway.edge import auth as auth_mod
+from gateway.edge.auth import ApiKeys
+from gateway.edge.proxy import ProxySettings
+from gateway.testing.stub import StubBackend
 from tests.conftest import GatewayFactory, gw_url, last_proxied
 
 KEY = "sk-gw-0123456789abcdef"

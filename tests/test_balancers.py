@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 
-from gateway.backends import Backend, BackendPool, Health, PassivePolicy, PoolPolicy
-from gateway.balancers import BALANCERS, ConsistentHash
+from gateway.fleet.balancers import BALANCERS, ConsistentHash
+from gateway.fleet.pool import Backend, BackendPool, Health, PassivePolicy, PoolPolicy
 
 URLS = [f"http://10.0.0.{i}:30000" for i in range(1, 6)]
 

@@ -13,7 +13,7 @@ import aiohttp
 import orjson
 import pytest
 
-from gateway.stub import StubBackend
+from gateway.testing.stub import StubBackend
 from tests.conftest import ROOT, read_match, spawn, start_stub_process
 
 

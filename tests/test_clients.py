@@ -11,9 +11,9 @@ import openai
 import orjson
 import pytest
 
-from gateway.policy import MASK_MESSAGE
-from gateway.server import Gateway
-from gateway.stub import StubBackend
+from gateway.app import Gateway
+from gateway.contract.policy import MASK_MESSAGE
+from gateway.testing.stub import StubBackend
 from tests.conftest import gw_url
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]

@@ -18,7 +18,7 @@ import aiohttp
 import orjson
 import pytest
 
-from gateway.backends import Health
+from gateway.fleet.pool import Health
 from tests.conftest import GatewayFactory, gw_url, start_stub_process
 
 

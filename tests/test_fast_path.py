@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.inspection import inspect_body, may_hold_mask_key
-from gateway.policy import MASK_MESSAGE, MaskPolicy
-from gateway.routes import Kind
-from gateway.stub import StubBackend
+from gateway.contract.inspection import inspect_body, may_hold_mask_key
+from gateway.contract.policy import MASK_MESSAGE, MaskPolicy
+from gateway.contract.routes import Kind
+from gateway.testing.stub import StubBackend
 from tests.conftest import GatewayFactory, gw_url
 
 KEY = "return_sampling_mask"

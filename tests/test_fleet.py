@@ -15,10 +15,10 @@ import pytest
 from aiohttp import web
 
 from gateway import config as config_mod
-from gateway.backends import Health
-from gateway.discovery import KubernetesApi
-from gateway.server import Gateway
-from gateway.stub import StubBackend
+from gateway.app import Gateway
+from gateway.fleet.discovery import KubernetesApi
+from gateway.fleet.pool import Health
+from gateway.testing.stub import StubBackend
 from tests.conftest import GatewayFactory, admin_url, gw_url, wait_for
 
 JSON = {"Content-Type": "application/json"}

@@ -1,4 +1,4 @@
-"""The body reader (gateway/jsonview.py) must read every body exactly as orjson does.
+"""The body reader (gateway/contract/jsonview.py) must read every body exactly as orjson does.
 
 Three things would let a body past the filter: the reader accepting what orjson refuses, the
 reader seeing a different value for a field the policy reads, or the policy reading a field
@@ -16,10 +16,10 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, seed, settings
 
-from gateway.inspection import inspect_body
-from gateway.jsonview import Head, read_view
-from gateway.policy import READS, SHAPE_ONLY, MaskPolicy
-from gateway.routes import Kind, RouteTable
+from gateway.contract.inspection import inspect_body
+from gateway.contract.jsonview import Head, read_view
+from gateway.contract.policy import READS, SHAPE_ONLY, MaskPolicy
+from gateway.contract.routes import Kind, RouteTable
 from tests.hardening.bodies import requests
 from tests.hardening.corpus import CASES
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from gateway.lax import Invalid, is_greedy, lax_bool, lax_int, plain_int
+from gateway.contract.lax import Invalid, is_greedy, lax_bool, lax_int, plain_int
 
 PYDANTIC_BOOL: TypeAdapter[bool] = TypeAdapter(bool)
 PYDANTIC_INT: TypeAdapter[int] = TypeAdapter(int)

@@ -18,9 +18,9 @@ import pytest
 from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.app import Gateway
 from gateway.config import TimeoutsConfig
-from gateway.server import Gateway
-from gateway.stub import StubBackend
+from gateway.testing.stub import StubBackend
 from tests.conftest import (
     GatewayFactory,
     abandon_generate,

@@ -8,9 +8,9 @@ import aiohttp
 import orjson
 import pytest
 
-from gateway.policy import MaskPolicy
-from gateway.routes import Kind
-from gateway.stub import StubBackend
+from gateway.contract.policy import MaskPolicy
+from gateway.contract.routes import Kind
+from gateway.testing.stub import StubBackend
 from tests.conftest import GatewayFactory, gw_url
 
 CAP = MaskPolicy(max_n=16)

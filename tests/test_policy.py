@@ -20,9 +20,9 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.inspection import check_headers, inspect_body
-from gateway.jsonview import read_view
-from gateway.policy import (
+from gateway.contract.inspection import check_headers, inspect_body
+from gateway.contract.jsonview import read_view
+from gateway.contract.policy import (
     MASK_MESSAGE,
     META_INFO_MESSAGE,
     PARALLEL_LIST_MESSAGE,
@@ -33,7 +33,7 @@ from gateway.policy import (
     MaskPolicy,
     Rejection,
 )
-from gateway.routes import Kind
+from gateway.contract.routes import Kind
 
 # --- expected outcomes ---------------------------------------------------------------------------
 
@@ -111,7 +111,7 @@ def both(kind: Kind, body: dict[str, Any], policy: MaskPolicy = POLICY) -> Rejec
         assert recording.read <= fields, recording.read - fields
     raw = orjson.dumps(body)
     assert inspect_body(kind, raw, policy) == direct
-    # The reader large bodies go through (gateway/jsonview.py) must decide the same too.
+    # The reader large bodies go through (gateway/contract/jsonview.py) must decide the same too.
     if kind in READS:
         assert policy.check(kind, read_view(raw, READS[kind], SHAPE_ONLY)) == direct
     return direct

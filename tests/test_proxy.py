@@ -11,9 +11,9 @@ import orjson
 import pytest
 from multidict import CIMultiDict
 
-from gateway.policy import MASK_MESSAGE
-from gateway.server import Gateway
-from gateway.stub import StubBackend
+from gateway.app import Gateway
+from gateway.contract.policy import MASK_MESSAGE
+from gateway.testing.stub import StubBackend
 from tests.conftest import (
     GatewayFactory,
     abandon_generate,

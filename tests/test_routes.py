@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.routes import Family, Kind, RouteTable
+from gateway.contract.routes import Family, Kind, RouteTable
 
 TABLE = RouteTable()
 

@@ -1,4 +1,4 @@
-"""Large integer arrays skimmed, not parsed (gateway/skim.py): read exactly as orjson reads.
+"""Large integer arrays skimmed, not parsed (gateway/contract/skim.py): read as orjson reads.
 
 The skim must never change a verdict: a body orjson refuses is refused (and one it reads
 is read), and where the body is read the policy decides exactly as on orjson's full
@@ -17,12 +17,12 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.budget import InspectionBudget
-from gateway.inspection import inspect_large
-from gateway.jsonview import Head
-from gateway.policy import MaskPolicy
-from gateway.routes import Kind
-from gateway.skim import SKIM_MIN_BODY, _valid_slice, skim
+from gateway.contract.inspection import inspect_large
+from gateway.contract.jsonview import Head
+from gateway.contract.policy import MaskPolicy
+from gateway.contract.routes import Kind
+from gateway.contract.skim import SKIM_MIN_BODY, _valid_slice, skim
+from gateway.edge.budget import InspectionBudget
 
 POLICY = MaskPolicy(max_n=1024)
 KINDS = [Kind.GENERATE, Kind.VERTEX, Kind.CHAT, Kind.COMPLETIONS, Kind.RESPONSES]
@@ -129,7 +129,7 @@ async def test_skimmed_bodies_are_judged_exactly_as_on_orjsons_full_reading(seed
 
 
 async def test_the_view_keeps_every_shape() -> None:
-    from gateway.inspection import parse_object
+    from gateway.contract.inspection import parse_object
 
     flat = b'{"input_ids": [' + b"7," * N + b"7]}"
     batch = b'{"input_ids": [' + b",".join([b"[" + b"1," * N + b"1]"] * 3) + b"]}"

@@ -13,7 +13,7 @@ import orjson
 import pytest
 from yarl import URL
 
-from gateway.stub import MASK_TOP_K_MESSAGE, StubBackend
+from gateway.testing.stub import MASK_TOP_K_MESSAGE, StubBackend
 
 
 async def post(
@@ -405,7 +405,7 @@ async def test_idle_close() -> None:
 
 async def test_cli_prints_bound_port() -> None:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway.stub", "--port", "0", "--model", "cli-model",
+        sys.executable, "-m", "gateway.testing.stub", "--port", "0", "--model", "cli-model",
         stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:

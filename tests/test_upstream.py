@@ -1,4 +1,4 @@
-"""The request path's upstream client (gateway/upstream.py), against raw servers on 127.0.0.1.
+"""The request path's upstream client (gateway/edge/upstream.py), against raw servers on 127.0.0.1.
 
 The proxy tests exercise it end to end; these pin down what a scripted server can show
 directly: the bytes of the request head, connection reuse and retirement, interim 1xx
@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from gateway.upstream import ConnectFailed, Upstream, build_head
+from gateway.edge.upstream import ConnectFailed, Upstream, build_head
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 

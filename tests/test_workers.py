@@ -8,8 +8,8 @@ import signal
 import aiohttp
 import orjson
 
-from gateway.stub import StubBackend
-from gateway.workers import merge_metrics
+from gateway.ops.supervisor import merge_metrics
+from gateway.testing.stub import StubBackend
 from tests.conftest import free_port, spawn
 
 

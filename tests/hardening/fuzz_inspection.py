@@ -31,14 +31,14 @@ if atheris is not None:
     # The model is instrumented too: reaching its deeper states (items that run with the
     # mask on) counts as new coverage, which steers the fuzzer there.
     with atheris.instrument_imports(include=["gateway", "tests.sglang_model"]):
-        from gateway.inspection import check_headers, inspect_body
-        from gateway.policy import MaskPolicy
-        from gateway.routes import Kind
+        from gateway.contract.inspection import check_headers, inspect_body
+        from gateway.contract.policy import MaskPolicy
+        from gateway.contract.routes import Kind
         from tests import sglang_model  # noqa: F401
 else:
-    from gateway.inspection import check_headers, inspect_body
-    from gateway.policy import MaskPolicy
-    from gateway.routes import Kind
+    from gateway.contract.inspection import check_headers, inspect_body
+    from gateway.contract.policy import MaskPolicy
+    from gateway.contract.routes import Kind
 
 from tests import sglang_model as sglang  # noqa: E402 - after the instrumented imports
 from tests.hardening.bodies import (  # noqa: E402

@@ -14,8 +14,8 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from gateway import config as config_mod
-from gateway.server import Gateway
-from gateway.stub import Received, StubBackend
+from gateway.app import Gateway
+from gateway.testing.stub import Received, StubBackend
 from tests.conftest import merge
 
 T = TypeVar("T")

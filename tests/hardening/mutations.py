@@ -24,7 +24,7 @@ PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", 
 MUTATIONS = [
     (
         "vertex read with pydantic lax booleans (pre-fix)",
-        "gateway/policy.py",
+        "gateway/contract/policy.py",
         "read_flag = _truthy if raw else lax_bool",
         "read_flag = lax_bool",
         [
@@ -35,35 +35,35 @@ MUTATIONS = [
     ),
     (
         "lax bool forgets 'yes'/'on'",
-        "gateway/lax.py",
+        "gateway/contract/lax.py",
         '_TRUE_STRINGS: Final = frozenset({"true", "t", "y", "yes", "on", "1"})',
         '_TRUE_STRINGS: Final = frozenset({"true", "t", "y", "1"})',
         ["tests/hardening/test_differential.py", "tests/hardening/test_corpus.py"],
     ),
     (
         "top_k above TOP_K_ALL counted finite",
-        "gateway/policy.py",
+        "gateway/contract/policy.py",
         "return k is None or k == -1 or k >= TOP_K_ALL",
         "return k is None or k == -1 or k == TOP_K_ALL",
         ["tests/hardening/test_differential.py", "tests/hardening/test_corpus.py"],
     ),
     (
         "greedy shortcut removed (over-refusal)",
-        "gateway/policy.py",
+        "gateway/contract/policy.py",
         'if is_greedy(params.get("temperature")) and not',
         'if False and is_greedy(params.get("temperature")) and not',
         ["tests/hardening/test_differential.py", "tests/hardening/test_corpus.py"],
     ),
     (
         "single-request list mask read per item",
-        "gateway/policy.py",
+        "gateway/contract/policy.py",
         "flags = [bool(values)] if batch_size is None else [bool(v) for v in values]",
         "flags = [bool(v) for v in values] or [False]",
         ["tests/hardening/test_differential.py", "tests/hardening/test_corpus.py"],
     ),
     (
         "Connection-named headers forwarded",
-        "gateway/headers.py",
+        "gateway/edge/headers.py",
         "drop = self._drop | _connection_tokens(items)\n",
         "drop = self._drop\n",
         [
@@ -72,7 +72,7 @@ MUTATIONS = [
     ),
     (
         "Content-Encoding accepted",
-        "gateway/inspection.py",
+        "gateway/contract/inspection.py",
         'if content_encoding is not None and content_encoding.strip().lower() not in ("", "identity"):',
         "if False:",
         [
@@ -82,7 +82,7 @@ MUTATIONS = [
     ),
     (
         "body size cap removed",
-        "gateway/proxy.py",
+        "gateway/edge/proxy.py",
         "if length is not None and length > s.max_body:",
         "if False:",
         [
@@ -91,7 +91,7 @@ MUTATIONS = [
     ),
     (
         "chunked size cap removed",
-        "gateway/proxy.py",
+        "gateway/edge/proxy.py",
         "if size > s.max_body:\n                        raise _TooLarge",
         "if False:\n                        raise _TooLarge",
         [
@@ -100,14 +100,14 @@ MUTATIONS = [
     ),
     (
         "body read deadline removed",
-        "gateway/proxy.py",
+        "gateway/edge/proxy.py",
         "async with asyncio.timeout(s.body_timeout):",
         "async with asyncio.timeout(None):",
         ["tests/hardening/test_faults.py::test_slow_body_is_408_at_the_deadline"],
     ),
     (
         "handler cancellation off",
-        "gateway/server.py",
+        "gateway/app.py",
         "handler_cancellation=True,",
         "handler_cancellation=False,",
         [
@@ -116,7 +116,7 @@ MUTATIONS = [
     ),
     (
         "no backpressure: response buffered",
-        "gateway/proxy.py",
+        "gateway/edge/proxy.py",
         "                    await resp.write(chunk)\n",
         "                    resp._payload_writer.buffer_size = 0; resp._payload_writer._write(chunk) if False else resp._payload_writer.transport.write(chunk)\n",
         [
@@ -125,7 +125,7 @@ MUTATIONS = [
     ),
     (
         "replay after send (any failure counted as a connect failure)",
-        "gateway/upstream.py",
+        "gateway/edge/upstream.py",
         "            self.active -= 1\n            _shut(proto)\n            raise\n",
         "            self.active -= 1\n            _shut(proto)\n            raise ConnectFailed('replayed')\n",
         [
@@ -134,7 +134,7 @@ MUTATIONS = [
     ),
     (
         "upstream truncation not made visible",
-        "gateway/proxy.py",
+        "gateway/edge/proxy.py",
         "                    if request.transport is not None:\n                        request.transport.abort()\n                    return resp",
         "                    await resp.write_eof()\n                    return resp",
         [
@@ -144,14 +144,14 @@ MUTATIONS = [
     ),
     (
         "upstream keep-alive longer than the backend's",
-        "gateway/server.py",
+        "gateway/app.py",
         "keepalive_s=cfg.timeouts.upstream_keepalive_s,",
         "keepalive_s=cfg.timeouts.upstream_keepalive_s * 10,",
         ["tests/hardening/test_faults.py::test_keepalive_race_worst_case_never_reaches_a_client"],
     ),
     (
         "pool-exhaustion fast path removed",
-        "gateway/backends.py",
+        "gateway/fleet/pool.py",
         "and (cap is None or b.inflight < cap)",
         "and True",
         [
@@ -160,14 +160,14 @@ MUTATIONS = [
     ),
     (
         "parse-error handler reverted",
-        "gateway/server.py",
+        "gateway/app.py",
         "        server = _Server(",
         "        server = web.Server(",
         ["tests/hardening/test_errors.py"],
     ),
     (
         "upstream not closed when the client goes away",
-        "gateway/proxy.py",
+        "gateway/edge/proxy.py",
         "                upstream.close()",
         "                pass",
         [
@@ -176,21 +176,21 @@ MUTATIONS = [
     ),
     (
         "a task leaked per request",
-        "gateway/proxy.py",
+        "gateway/edge/proxy.py",
         "        self.inflight += 1\n",
         "        self.inflight += 1\n        asyncio.get_running_loop().create_task(asyncio.sleep(3600))\n",
         ["tests/hardening/test_load.py::test_no_leaks_over_five_rounds"],
     ),
     (
         "a descriptor leaked per request",
-        "gateway/proxy.py",
+        "gateway/edge/proxy.py",
         "        self.inflight += 1\n",
         "        self.inflight += 1\n        self._leak = getattr(self, '_leak', []) + [open('/dev/null')]\n",
         ["tests/hardening/test_load.py::test_no_leaks_over_five_rounds"],
     ),
     (
         "X-Request-Id not echoed on relayed replies",
-        "gateway/headers.py",
+        "gateway/edge/headers.py",
         "        out.append((REQUEST_ID, request_id))\n        return out\n\n    @staticmethod",
         "        return out\n\n    @staticmethod",
         ["tests/hardening/test_load.py::test_exactly_once_accounting"],
@@ -198,28 +198,28 @@ MUTATIONS = [
     # -- Hardening II (issue 12) ------------------------------------------------------------
     (
         "bytes arriving on an idle upstream connection are parsed",
-        "gateway/upstream.py",
+        "gateway/edge/upstream.py",
         "        if data and not self.expecting:\n            self._refuse()\n            return\n",
         "",
         ["tests/hardening/test_stray_responses.py"],
     ),
     (
         "a second response in one read is queued",
-        "gateway/upstream.py",
+        "gateway/edge/upstream.py",
         "        if self.final_head:\n",
         "        if False:\n",
         ["tests/hardening/test_stray_responses.py"],
     ),
     (
         "interim responses not capped",
-        "gateway/upstream.py",
+        "gateway/edge/upstream.py",
         "            if self.interim > MAX_INTERIM_RESPONSES:",
         "            if False:",
         ["tests/hardening/test_protocol_edges.py::test_interim_and_switching_responses"],
     ),
     (
         "101 relayed",
-        "gateway/upstream.py",
+        "gateway/edge/upstream.py",
         "                if message.code == 101:",
         "                if False:",
         ["tests/hardening/test_protocol_edges.py::test_interim_and_switching_responses"],
@@ -228,7 +228,7 @@ MUTATIONS = [
         # Two layers, removed together: the handler's own quiet error path, and the filter
         # on aiohttp's loggers (either alone keeps the secrets out).
         "parser refusals logged with aiohttp's message",
-        "gateway/server.py",
+        "gateway/app.py",
         (
             "        manager = self._manager\n        if isinstance(manager, _Server):\n            manager.count_refused(status)\n",
             "        install_log_redaction()\n",
@@ -241,14 +241,14 @@ MUTATIONS = [
     ),
     (
         "EMFILE counted against the backend",
-        "gateway/upstream.py",
+        "gateway/edge/upstream.py",
         "            if is_local(exc):",
         "            if False:",
         ["tests/hardening/test_descriptors.py::test_out_of_descriptors_never_ejects_a_backend"],
     ),
     (
         "client connections not capped",
-        "gateway/server.py",
+        "gateway/app.py",
         "        if isinstance(manager, _Server) and manager.full():",
         "        if False:",
         [
@@ -257,21 +257,21 @@ MUTATIONS = [
     ),
     (
         "workers read the operator's file",
-        "gateway/workers.py",
+        "gateway/ops/supervisor.py",
         '        return ["--config", str(self.snapshot), "--worker-index", str(w.index)]',
         '        return ["--config", str(self._config_path), "--worker-index", str(w.index)]',
         ["tests/hardening/test_supervisor.py"],
     ),
     (
         "workers hold no lifeline",
-        "gateway/server.py",
+        "gateway/app.py",
         "        hold_lifeline(orphaned)\n",
         "",
         ["tests/hardening/test_supervisor.py::test_workers_exit_when_the_supervisor_is_killed"],
     ),
     (
         "drain waits the grace twice",
-        "gateway/server.py",
+        "gateway/app.py",
         "server, handle_signals=False, shutdown_timeout=_CANCEL_WAIT_S",
         "server, handle_signals=False, shutdown_timeout=self.cfg.timeouts.shutdown_grace_s",
         [
@@ -280,42 +280,42 @@ MUTATIONS = [
     ),
     (
         "Content-Encoding read from its first line only",
-        "gateway/proxy.py",
+        "gateway/edge/proxy.py",
         '            None if encodings is None else ", ".join(encodings),',
         "            None if encodings is None else encodings[0],",
         ["tests/hardening/test_protocol_edges.py::test_content_encoding_on_any_line_is_refused"],
     ),
     (
         "100 Continue for HTTP/1.0",
-        "gateway/proxy.py",
+        "gateway/edge/proxy.py",
         "            request.version >= (1, 1)  # HTTP/1.0 has no 100 (RFC 9110 s.10.1.1)",
         "            True",
         ["tests/hardening/test_protocol_edges.py::test_100_continue_only_for_http_1_1"],
     ),
     (
         "orjson-sensitive bodies read by simdjson",
-        "gateway/inspection.py",
+        "gateway/contract/inspection.py",
         "or _ORJSON_SENSITIVE.match(parsed):",
         "or False:",
         ["tests/test_jsonview.py::test_bodies_orjson_cannot_allocate_for_are_refused_like_orjson"],
     ),
     (
         "skim accepts leading zeros",
-        "gateway/skim.py",
+        "gateway/contract/skim.py",
         'if b",zd" in opened or b",zz" in opened:',
         "if False:",
         ["tests/test_skim.py::test_slices_agree_with_orjson_on_random_lists"],
     ),
     (
         "skim forgets the lengths it removed",
-        "gateway/inspection.py",
+        "gateway/contract/inspection.py",
         "                obj[key] = Head(value[0], len(value) + extra)",
         "                pass",
         ["tests/test_skim.py::test_the_view_keeps_every_shape"],
     ),
     (
         "inspection budget never refuses",
-        "gateway/budget.py",
+        "gateway/edge/budget.py",
         "        if cost > self.limit:\n            raise TooCostly",
         "        if False:\n            raise TooCostly",
         [
@@ -324,7 +324,7 @@ MUTATIONS = [
     ),
     (
         "large bodies parsed whole (no skim)",
-        "gateway/inspection.py",
+        "gateway/contract/inspection.py",
         "    skimmed = None if _ORJSON_SENSITIVE.match(body) else await skim(body, SHAPE_ONLY)",
         "    skimmed = None",
         ["tests/hardening/test_inspection_memory.py"],

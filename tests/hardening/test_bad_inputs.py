@@ -16,9 +16,9 @@ import orjson
 import pytest
 from multidict import CIMultiDictProxy
 
-from gateway.policy import MASK_MESSAGE
-from gateway.server import Gateway
-from gateway.stub import StubBackend
+from gateway.app import Gateway
+from gateway.contract.policy import MASK_MESSAGE
+from gateway.testing.stub import StubBackend
 from tests.conftest import GatewayFactory, gw_url
 from tests.hardening.checks import assert_no_internals
 from tests.hardening.rawnet import (

@@ -19,7 +19,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.stub import StubBackend
+from gateway.testing.stub import StubBackend
 from tests.conftest import gateway_process, process_config
 
 NOFILE = 256

@@ -14,8 +14,8 @@ import aiohttp
 import orjson
 import pytest
 
-from gateway.server import Gateway
-from gateway.stub import StubBackend
+from gateway.app import Gateway
+from gateway.testing.stub import StubBackend
 from tests.conftest import GatewayFactory, gw_url
 from tests.hardening.checks import assert_no_internals
 from tests.hardening.rawnet import FaultBackend, parse_responses, raw_exchange
@@ -105,9 +105,9 @@ async def test_handler_crash_is_a_generic_500(
 
     asyncio debug mode is on, in which aiohttp's fallback would write the traceback.
     """
-    from gateway import proxy
+    from gateway.edge import proxy
 
-    secret = "RuntimeError at http://10.9.8.7:30000 in /srv/gateway/proxy.py"
+    secret = "RuntimeError at http://10.9.8.7:30000 in /srv/gateway/edge/proxy.py"
 
     def boom(*args: object, **kwargs: object) -> None:
         raise RuntimeError(secret)

@@ -15,8 +15,8 @@ import aiohttp
 import orjson
 import pytest
 
-from gateway.server import Gateway
-from gateway.stub import StubBackend
+from gateway.app import Gateway
+from gateway.testing.stub import StubBackend
 from tests.conftest import GatewayFactory, admin_url, gw_url, wait_for
 from tests.hardening.checks import assert_no_internals, fd_count, vmrss_kib
 from tests.hardening.rawnet import FaultBackend

@@ -2,7 +2,7 @@
 
 Measured on a real gateway process with the shipped limits (64 MiB bodies, 256 MiB of
 inspection budget) and a stub backend in a process of its own: dense one-digit token-id
-bodies of 64 MiB, one and two at once. Before gateway/skim.py one such body took the
+bodies of 64 MiB, one and two at once. Before gateway/contract/skim.py one such body took the
 gateway from 54 MiB to a 950 MiB peak and two passed 1 GiB, the sidecar manifest's limit.
 The formula (docs/hardening.md, "Memory per request"): about 2 x the body while it is read
 and forwarded, plus the parse of what is left after the skim, charged to the budget.
@@ -20,7 +20,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from gateway.budget import InspectionBudget, TooCostly, parse_cost
+from gateway.edge.budget import InspectionBudget, TooCostly, parse_cost
 from tests.conftest import (
     GatewayFactory,
     gateway_process,

@@ -18,8 +18,8 @@ import aiohttp
 import orjson
 import pytest
 
-from gateway.server import Gateway
-from gateway.stub import StubBackend
+from gateway.app import Gateway
+from gateway.testing.stub import StubBackend
 from tests.conftest import GatewayFactory, gw_url, wait_for
 from tests.hardening.checks import fd_count, vmrss_kib
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.stub import StubBackend
+from gateway.testing.stub import StubBackend
 from tests.conftest import gateway_process, process_config
 from tests.hardening.rawnet import parse_responses, raw_exchange
 

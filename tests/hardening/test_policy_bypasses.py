@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.inspection import inspect_body
-from gateway.policy import MaskPolicy
-from gateway.routes import Kind
+from gateway.contract.inspection import inspect_body
+from gateway.contract.policy import MaskPolicy
+from gateway.contract.routes import Kind
 from tests import sglang_model as sglang
 
 POLICY = MaskPolicy()

@@ -15,7 +15,7 @@ import aiohttp
 import orjson
 import pytest
 
-from gateway.stub import StubBackend
+from gateway.testing.stub import StubBackend
 from tests.conftest import GatewayFactory, gateway_process, gw_url, process_config
 from tests.hardening.rawnet import ScriptedBackend, raw_exchange
 

@@ -22,7 +22,7 @@ import aiohttp
 import orjson
 import pytest
 
-from gateway.stub import StubBackend
+from gateway.testing.stub import StubBackend
 from tests.conftest import free_port, spawn
 
 MASK = orjson.dumps({"text": "x", "sampling_params": {"top_p": 0.9}, "return_sampling_mask": True})

@@ -20,25 +20,25 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from gateway import config as config_mod
-from gateway import errors
-from gateway.admin import make_admin_app
-from gateway.backends import BackendPool
 from gateway.config import GatewayConfig
-from gateway.discovery import Resolver
-from gateway.fleet import Fleet
-from gateway.headers import SERVER
-from gateway.lifecycle import hold_lifeline, read_reload, watch_mtime
-from gateway.metrics import FleetCollector, Metrics
-from gateway.observe import AccessLog, Observer
-from gateway.proxy import BUFFERED_BODY_MAX, Proxy, ProxySettings
-from gateway.redact import describe
-from gateway.redact import install as install_log_redaction
+from gateway.contract import replies as errors
+from gateway.contract.routes import Family
+from gateway.edge.headers import SERVER
+from gateway.edge.proxy import BUFFERED_BODY_MAX, Proxy, ProxySettings
+from gateway.edge.upstream import Upstream
+from gateway.fleet.discovery import Resolver
+from gateway.fleet.membership import Fleet
+from gateway.fleet.pool import BackendPool
+from gateway.ops.admin import make_admin_app
+from gateway.ops.lifecycle import hold_lifeline, read_reload, watch_mtime
+from gateway.ops.metrics import FleetCollector, Metrics
+from gateway.ops.observe import AccessLog, Observer
+from gateway.ops.redact import describe
+from gateway.ops.redact import install as install_log_redaction
+from gateway.ops.supervisor import report_ready
 from gateway.resources import default_max_client_connections
-from gateway.routes import Family
-from gateway.upstream import Upstream
-from gateway.workers import report_ready
 
-log = logging.getLogger("gateway.server")
+log = logging.getLogger("gateway.app")
 
 # How long handlers still running at the end of the drain get to close their upstreams
 # once cancelled.
@@ -278,7 +278,7 @@ class Gateway:
             auto_decompress=False,
             access_log=None,
             # A request body up to this size is buffered whole before the handler wakes
-            # (gateway/proxy.py _read_body): one wake-up and one join instead of one per read.
+            # (gateway/edge/proxy.py _read_body): one wake-up and one join instead of one per read.
             read_bufsize=BUFFERED_BODY_MAX,
         )
         self._http_server = server

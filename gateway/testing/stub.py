@@ -749,7 +749,7 @@ class StubBackend:
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m gateway.stub", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m gateway.testing.stub", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--model", default="stub-model")

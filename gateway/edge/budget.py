@@ -7,8 +7,8 @@ of memory. The charge of one parse, in bytes (docs/hardening.md, "Memory per req
     parsed < 1 MiB:   16 x parsed
     otherwise:        2 x parsed + 24 x (commas + colons in parsed)
 
-where `parsed` is the body the parser reads (after gateway/skim.py took out the long integer
-arrays). simdjson keeps a padded copy and a string buffer (up to 2 bytes per byte) plus
+where `parsed` is the body the parser reads (after gateway/contract/skim.py took out the
+long integer arrays). simdjson keeps a padded copy and a string buffer (up to 2 bytes per byte) plus
 about 24 bytes per value (a 4-byte structural index per token and a 16-byte tape entry),
 and every value but the first follows a comma or a colon. A body small enough to cost
 little is charged its worst case flat, which costs no count.

@@ -13,9 +13,9 @@ import signal
 from collections.abc import Sequence
 
 from gateway import config as config_mod
+from gateway.app import Gateway
 from gateway.cli import check_runtime, run_loop, setup_logging
-from gateway.server import Gateway
-from gateway.stub import StubBackend
+from gateway.testing.stub import StubBackend
 
 _BANNER = """
 sglang-gateway demo: gateway http://{host}:{port} -> stub SGLang backend {stub}

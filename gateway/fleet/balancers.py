@@ -14,7 +14,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from gateway.backends import Backend
+from gateway.fleet.pool import Backend
 
 
 class Balancer(Protocol):

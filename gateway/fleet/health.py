@@ -14,11 +14,11 @@ from collections.abc import Sequence
 
 import aiohttp
 
-from gateway.backends import Backend, BackendPool
 from gateway.config import HealthConfig
+from gateway.fleet.pool import Backend, BackendPool
 from gateway.resources import LOCAL_ERRNOS
 
-log = logging.getLogger("gateway.health")
+log = logging.getLogger("gateway.fleet.health")
 
 
 class HealthChecker:

@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Final
 
-log = logging.getLogger("gateway.alloc")
+log = logging.getLogger("gateway.runtime")
 
 # mallopt parameter numbers, from glibc's malloc.h.
 _M_TRIM_THRESHOLD: Final = -1

@@ -21,7 +21,7 @@ Why the reduced body is read exactly as orjson reads the original:
   (`Skimmed.extra_elements`).
 Anything the scanner cannot vouch for (a key that appears twice, strings inside the field,
 a structure too deep to walk cheaply) leaves the body unskimmed: the parser then reads it
-whole, bounded by the inspection budget instead (gateway/budget.py).
+whole, bounded by the inspection budget instead (gateway/edge/budget.py).
 """
 
 from __future__ import annotations

@@ -22,21 +22,21 @@ import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from gateway import errors
-from gateway.auth import ApiKeys, read_keys_file
-from gateway.backends import Backend, BackendPool
-from gateway.budget import InspectionBudget, parse_cost
 from gateway.config import GatewayConfig, header_safe
-from gateway.headers import REQUEST_ID, SERVER, ForwardingPolicy, valid_request_id
-from gateway.inspection import check_headers, inspect_body, inspect_large
-from gateway.observe import Exchange, Observer
-from gateway.policy import MaskPolicy, Rejection
-from gateway.redact import describe
-from gateway.routes import Family, Route, RouteTable, canonical_path
-from gateway.skim import SKIM_MIN_BODY
-from gateway.upstream import ConnectFailed, Upstream, UpstreamBroken, UpstreamResponse
+from gateway.contract import replies as errors
+from gateway.contract.inspection import check_headers, inspect_body, inspect_large
+from gateway.contract.policy import MaskPolicy, Rejection
+from gateway.contract.routes import Family, Route, RouteTable, canonical_path
+from gateway.contract.skim import SKIM_MIN_BODY
+from gateway.edge.auth import ApiKeys, read_keys_file
+from gateway.edge.budget import InspectionBudget, parse_cost
+from gateway.edge.headers import REQUEST_ID, SERVER, ForwardingPolicy, valid_request_id
+from gateway.edge.upstream import ConnectFailed, Upstream, UpstreamBroken, UpstreamResponse
+from gateway.fleet.pool import Backend, BackendPool
+from gateway.ops.observe import Exchange, Observer
+from gateway.ops.redact import describe
 
-log = logging.getLogger("gateway.proxy")
+log = logging.getLogger("gateway.edge.proxy")
 
 _JSON: Final = "application/json"
 _CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"

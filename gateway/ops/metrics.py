@@ -29,8 +29,8 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from gateway.backends import BackendPool, Health
-from gateway.observe import Exchange
+from gateway.fleet.pool import BackendPool, Health
+from gateway.ops.observe import Exchange
 
 PREFIX: Final = "sglang_gateway_"
 

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from gateway.lax import Invalid, is_greedy, lax_bool, lax_int, plain_int
-from gateway.routes import Kind
+from gateway.contract.lax import Invalid, is_greedy, lax_bool, lax_int, plain_int
+from gateway.contract.routes import Kind
 
 TOP_K_ALL: Final = 1 << 30  # SGLang's "no top-k" sentinel
 

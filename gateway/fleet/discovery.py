@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import aiohttp
 import orjson
 
-log = logging.getLogger("gateway.discovery")
+log = logging.getLogger("gateway.fleet.discovery")
 
 Publish = Callable[[tuple[str, ...]], None]
 

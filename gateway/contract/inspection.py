@@ -5,7 +5,7 @@ The chain is short and ordered, and the first rejection wins (sglang-contract.md
   2. body: read once, exactly as orjson (SGLang's own parser) reads it; anything orjson
      cannot read, or a top level that is not an object, is refused (400): a body the gateway
      could not read is never forwarded. Only the fields the policy needs become Python
-     objects (gateway/jsonview.py);
+     objects (gateway/contract/jsonview.py);
   3. the sampling-mask policy on the parsed view.
 The parsed object is only read, never re-serialised: the proxy forwards the bytes it got.
 """
@@ -17,11 +17,11 @@ from typing import Any, Final
 
 import orjson
 
-from gateway.budget import InspectionBudget, TooCostly, parse_cost
-from gateway.jsonview import Head, read_view
-from gateway.policy import READS, SHAPE_ONLY, MaskPolicy, Rejection
-from gateway.routes import Kind
-from gateway.skim import Skimmed, skim
+from gateway.contract.jsonview import Head, read_view
+from gateway.contract.policy import READS, SHAPE_ONLY, MaskPolicy, Rejection
+from gateway.contract.routes import Kind
+from gateway.contract.skim import Skimmed, skim
+from gateway.edge.budget import InspectionBudget, TooCostly, parse_cost
 
 _JSON_SUBTYPE: Final = "json"
 
@@ -83,8 +83,8 @@ def parse_object(
     """orjson's reading of a body, which must be a JSON object.
 
     With a kind, a body of 4 KB or more has only the fields that kind's policy check reads
-    converted to Python objects (gateway/jsonview.py); the whole body is still validated,
-    exactly as orjson would. With `skimmed`, `body` is its reduced form (gateway/skim.py):
+    converted to Python objects (gateway/contract/jsonview.py); the whole body is still validated,
+    exactly as orjson would. With `skimmed`, `body` is its reduced form (gateway/contract/skim.py):
     the view gets the lengths of the original arrays, and an error its original place.
     """
     parsed = skimmed.body if skimmed is not None else body
@@ -176,8 +176,8 @@ async def inspect_large(
     skip_parse_without_key: bool = False,
 ) -> Rejection | None:
     """inspect_body for any size: long integer arrays in shape-only fields are validated
-    without being parsed (gateway/skim.py), and the parse waits for its share of the
-    inspection budget (gateway/budget.py)."""
+    without being parsed (gateway/contract/skim.py), and the parse waits for its share of the
+    inspection budget (gateway/edge/budget.py)."""
     if skip_parse_without_key and not may_hold_mask_key(body):
         return None
     # orjson's own verdict is needed on bodies it may refuse (see _ORJSON_SENSITIVE).

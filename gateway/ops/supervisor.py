@@ -11,7 +11,7 @@ every worker's private admin port (loopback, ephemeral) and merges the series wi
 `worker` label, so counters are per worker and sum correctly across them; `/readyz` is
 ready while any worker is and none is failing to start. SIGTERM drains every worker; a
 worker that dies is restarted, with back-off while it keeps failing; and each worker holds
-a lifeline to the supervisor (gateway/lifecycle.py), so none outlives it.
+a lifeline to the supervisor (gateway/ops/lifecycle.py), so none outlives it.
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from gateway import config as config_mod
-from gateway.admin import make_admin_app
 from gateway.config import GatewayConfig
-from gateway.lifecycle import LIFELINE_ENV, read_reload, watch_mtime
+from gateway.ops.admin import make_admin_app
+from gateway.ops.lifecycle import LIFELINE_ENV, read_reload, watch_mtime
 
-log = logging.getLogger("gateway.workers")
+log = logging.getLogger("gateway.ops.supervisor")
 
 REPORT_FD_ENV = "SGLANG_GATEWAY_REPORT_FD"
 _RESTART_BACKOFF_S = 0.25  # doubled for each start in a row that never became ready

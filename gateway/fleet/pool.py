@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gateway.balancers import Balancer
+    from gateway.fleet.balancers import Balancer
 
-log = logging.getLogger("gateway.backends")
+log = logging.getLogger("gateway.fleet.pool")
 
 
 class Health(enum.Enum):

@@ -12,8 +12,8 @@ from typing import Final
 
 import orjson
 
-from gateway.policy import Rejection
-from gateway.routes import Family
+from gateway.contract.policy import Rejection
+from gateway.contract.routes import Family
 
 # OpenAI-shape `type` values SGLang uses.
 BAD_REQUEST_ERROR: Final = "BadRequestError"  # a rule in SGLang's serving code refused it

@@ -12,10 +12,9 @@ import logging
 
 import aiohttp
 
-from gateway.backends import BackendPool, PassivePolicy, PoolPolicy
-from gateway.balancers import BALANCERS, Balancer
 from gateway.config import BackendsConfig
-from gateway.discovery import (
+from gateway.fleet.balancers import BALANCERS, Balancer
+from gateway.fleet.discovery import (
     Discovery,
     DnsDiscovery,
     KubernetesApi,
@@ -23,9 +22,10 @@ from gateway.discovery import (
     Resolver,
     StaticDiscovery,
 )
-from gateway.health import HealthChecker
+from gateway.fleet.health import HealthChecker
+from gateway.fleet.pool import BackendPool, PassivePolicy, PoolPolicy
 
-log = logging.getLogger("gateway.fleet")
+log = logging.getLogger("gateway.fleet.membership")
 
 
 def make_balancer(cfg: BackendsConfig) -> Balancer:
