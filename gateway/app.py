@@ -11,19 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
-from http import HTTPStatus
-from typing import Any, Final, cast
+from typing import Final
 
 import aiohttp
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
 
 from gateway import config as config_mod
+from gateway import runtime
 from gateway.config import GatewayConfig
-from gateway.contract import replies as errors
-from gateway.contract.routes import Family
-from gateway.edge.headers import SERVER
+from gateway.edge.aio import ClientServer
 from gateway.edge.proxy import BUFFERED_BODY_MAX, Proxy, ProxySettings
 from gateway.edge.upstream import Upstream
 from gateway.fleet.discovery import Resolver
@@ -33,10 +29,9 @@ from gateway.ops.admin import make_admin_app
 from gateway.ops.lifecycle import hold_lifeline, read_reload, watch_mtime
 from gateway.ops.metrics import FleetCollector, Metrics
 from gateway.ops.observe import AccessLog, Observer
-from gateway.ops.redact import describe
 from gateway.ops.redact import install as install_log_redaction
 from gateway.ops.supervisor import report_ready
-from gateway.resources import default_max_client_connections
+from gateway.runtime import default_max_client_connections
 
 log = logging.getLogger("gateway.app")
 
@@ -51,106 +46,6 @@ def _bound_port(runner: web.BaseRunner) -> int:
         if isinstance(addr, tuple):
             return int(addr[1])
     raise RuntimeError("listener has no TCP address")
-
-
-class _RequestHandler(RequestHandler):
-    """aiohttp's connection protocol, with error replies and log lines that quote nothing.
-
-    aiohttp answers a request it cannot parse with the parser's message, which echoes the
-    offending bytes, and logs that message with the raw header line or the bytes that
-    followed a body (the next pipelined request: a prompt). The client gets a fixed JSON
-    body; the log gets the status and the exception's type.
-    """
-
-    def handle_error(
-        self,
-        request: web.BaseRequest,
-        status: int = 500,
-        exc: BaseException | None = None,
-        message: str | None = None,
-    ) -> web.StreamResponse:
-        manager = self._manager
-        if isinstance(manager, _Server):
-            manager.count_refused(status)
-        log.debug(
-            "refused a request the HTTP parser could not read: %d %s",
-            status,
-            type(exc).__name__ if exc is not None else "-",
-        )
-        if request.writer.output_size > 0:
-            raise ConnectionError("a reply is already under way; the connection is dropped")
-        try:
-            phrase = HTTPStatus(status).phrase
-        except ValueError:
-            phrase = "Error"
-        body = errors.render(Family.PLAIN, status, phrase)
-        resp = web.Response(status=status, body=body, content_type="application/json")
-        resp.headers[SERVER[0]] = SERVER[1]
-        resp.force_close()
-        return resp
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        manager = self._manager
-        if isinstance(manager, _Server) and manager.full():
-            # Refused before anything is read, while the process still has descriptors to
-            # spare for its backends, its probes and the admin listener.
-            manager.connections_refused += 1
-            self._manager = None  # never registered: connection_lost has nothing to undo
-            transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
-            transport.write(manager.full_reply)
-            transport.close()
-            return
-        super().connection_made(transport)
-
-    def log_exception(self, *args: Any, **kw: Any) -> None:
-        exc = kw.get("exc_info")
-        detail = describe(exc) if isinstance(exc, BaseException) else "-"
-        log.error("connection handler failed: %s", detail)
-
-    def log_debug(self, *args: Any, **kw: Any) -> None:
-        return  # aiohttp's debug lines may carry exception messages (request bytes)
-
-
-_FULL: Final = (
-    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-    b"Retry-After: 1\r\nConnection: close\r\n"
-    + SERVER[0].encode()
-    + b": "
-    + SERVER[1].encode()
-    + b"\r\nContent-Length: %d\r\n\r\n%s"
-)
-
-
-def _full_reply() -> bytes:
-    body = errors.render(
-        Family.PLAIN, 503, "The gateway is at its client connection limit; retry later."
-    )
-    return _FULL % (len(body), body)
-
-
-class _Server(web.Server):
-    """aiohttp's low-level server, counting the requests its parser refused, and holding
-    at most `max_connections` client connections."""
-
-    def __init__(self, *args: Any, max_connections: int, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.refused: dict[int, int] = {}
-        self.max_connections = max_connections
-        self.connections_refused = 0
-        self.full_reply = _full_reply()
-
-    @property
-    def open_connections(self) -> int:
-        return len(self._connections)
-
-    def full(self) -> bool:
-        return len(self._connections) >= self.max_connections
-
-    def count_refused(self, status: int) -> None:
-        self.refused[status] = self.refused.get(status, 0) + 1
-
-    def __call__(self) -> RequestHandler:
-        return _RequestHandler(self, loop=self._loop, **self._kwargs)
 
 
 def _max_connections(cfg: GatewayConfig) -> int:
@@ -212,7 +107,7 @@ class Gateway:
         self.reload_failures = 0
         self._session: aiohttp.ClientSession | None = None
         self._upstream: Upstream | None = None
-        self._http_server: _Server | None = None
+        self._http_server: ClientServer | None = None
         self._runner: web.ServerRunner | None = None
         self._admin_runner: web.AppRunner | None = None
         self._watch_task: asyncio.Task[None] | None = None
@@ -265,7 +160,7 @@ class Gateway:
             ProxySettings.from_config(cfg), self._upstream, self.fleet.pool, observers
         )
 
-        server = _Server(
+        server = ClientServer(
             self.proxy.handle,
             max_connections=_max_connections(cfg),
             # A client that goes away cancels its handler, which closes the upstream request.
@@ -403,31 +298,21 @@ async def serve(
     As one of several --workers: share the port and report the private admin port.
     """
     gateway = Gateway(cfg, config_path=config_path, overrides=overrides)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    reloads: set[asyncio.Task[bool]] = set()
+    async with runtime.Signals(on_hup=gateway.reload) as signals:
+        await gateway.start(reuse_port=worker)
+        if worker:
 
-    def on_hup() -> None:
-        task = asyncio.create_task(gateway.reload(), name="reload")
-        reloads.add(task)
-        task.add_done_callback(reloads.discard)
+            def orphaned() -> None:
+                log.warning("the supervisor is gone: draining and exiting")
+                signals.stop()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, on_hup)
-    await gateway.start(reuse_port=worker)
-    if worker:
-
-        def orphaned() -> None:
-            log.warning("the supervisor is gone: draining and exiting")
-            stop.set()
-
-        hold_lifeline(orphaned)
-        report_ready(gateway.admin_port)
-    try:
-        await stop.wait()
-        log.info("shutting down: draining for up to %.0fs", gateway.cfg.timeouts.shutdown_grace_s)
-        gateway.draining = True
-    finally:
-        await gateway.stop()
+            hold_lifeline(orphaned)
+            report_ready(gateway.admin_port)
+        try:
+            await signals.wait()
+            grace = gateway.cfg.timeouts.shutdown_grace_s
+            log.info("shutting down: draining for up to %.0fs", grace)
+            gateway.draining = True
+        finally:
+            await gateway.stop()
     log.info("stopped")

@@ -9,18 +9,16 @@ sglang-gateway stub --port 30000
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-import aiohttp
-from aiohttp import http_parser
-
 from gateway import config as config_mod
+from gateway import runtime
 from gateway.config import ConfigError, GatewayConfig
-from gateway.runtime import tune_malloc
+from gateway.edge.aio import check_runtime
+from gateway.runtime import setup_logging, tune_malloc
 
 EXIT_CONFIG = 2
 _MIN_AIOHTTP = (3, 14, 2)
@@ -82,50 +80,6 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def check_runtime() -> str | None:
-    """Refuse to run on an aiohttp without its C HTTP parser or older than 3.14.2.
-
-    The pure-Python parser is slower and has had request-smuggling bugs the C one did
-    not; a filter in front of SGLang must not run on it unnoticed.
-    """
-    version = tuple(int(x) for x in aiohttp.__version__.split(".")[:3] if x.isdigit())
-    if version < _MIN_AIOHTTP:
-        return f"aiohttp {aiohttp.__version__} is too old; 3.14.2 or newer is required"
-    c_parser = getattr(http_parser, "HttpRequestParserC", None)
-    if c_parser is None or http_parser.HttpRequestParser is not c_parser:
-        return (
-            "aiohttp's C HTTP parser is not in use (AIOHTTP_NO_EXTENSIONS set, or a build "
-            "without extensions); refusing to start"
-        )
-    return None
-
-
-def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    # The access log is one JSON line per request: print it bare, on stdout.
-    access = logging.getLogger("gateway.access")
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    access.addHandler(handler)
-    access.propagate = False
-    # Switched by logging.access_log alone: level "warning" quiets the gateway's own
-    # messages, not the one line per request.
-    access.setLevel(logging.INFO)
-
-
-def run_loop(main: Any) -> None:
-    try:
-        import uvloop  # noqa: PLC0415 - optional speed-up, imported only when running
-
-        uvloop.run(main)
-    except ImportError:
-        asyncio.run(main)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "stub":
@@ -164,10 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         async def supervise() -> None:
             result.append(await supervisor.run())
 
-        run_loop(supervise())
+        runtime.run(supervise())
         return result[0] if result else 1
     try:
-        run_loop(
+        runtime.run(
             serve(
                 cfg,
                 config_path=args.config,

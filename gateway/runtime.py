@@ -1,23 +1,147 @@
-"""glibc malloc settings for a process that moves multi-MB bodies.
+"""The process the gateway runs in: its event loop, logging, malloc tuning, waiting for
+signals, and its own resource limits.
 
-Python asks malloc for each large body (a joined request body, simdjson's padded copy,
-response chunks). glibc serves blocks above its mmap threshold (128 KiB to start) with a
-fresh mmap, so every such block is page-faulted in as it is written and unmapped on free:
-about a fifth of the gateway's CPU on 1 MB chat bodies. Serving blocks up to 32 MiB from
-the heap, and keeping up to 64 MiB of freed heap before giving it back, lets those pages be
-reused hot. The cost is RSS that stays up to that much above the live set after a burst.
+Everything here is about the process, not about requests: the CLI, the demo, the stub and the
+--workers supervisor all start their loop and wait for their signals the same way.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
+import errno
 import logging
 import os
+import resource
+import signal
 import sys
-from typing import Final
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Final, TypeVar
 
 log = logging.getLogger("gateway.runtime")
+T = TypeVar("T")
+
+
+# -- the event loop and signals -------------------------------------------------------------
+
+
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop where it is installed (every supported platform), else asyncio's."""
+    try:
+        import uvloop  # noqa: PLC0415 - optional speed-up, imported only when running
+    except ImportError:  # pragma: no cover - uvloop is absent only on exotic platforms
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        return runner.run(main)
+
+
+class Signals:
+    """SIGTERM and SIGINT stop, SIGHUP runs `on_hup` (each in a task of its own), while the
+    context is open; installed on entering, so a signal during start-up is not lost."""
+
+    def __init__(self, on_hup: Callable[[], Awaitable[object]] | None = None) -> None:
+        self._on_hup = on_hup
+        self._tasks: set[asyncio.Task[object]] = set()
+        self.stopped = asyncio.Event()
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def _hup(self) -> None:
+        assert self._on_hup is not None
+        task: asyncio.Task[object] = asyncio.ensure_future(self._on_hup())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def __aenter__(self) -> Signals:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopped.set)
+        if self._on_hup is not None:
+            loop.add_signal_handler(signal.SIGHUP, self._hup)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
+
+    async def wait(self) -> None:
+        await self.stopped.wait()
+
+
+async def until_stopped() -> None:
+    """Return at SIGTERM or SIGINT."""
+    async with Signals() as signals:
+        await signals.wait()
+
+
+# -- logging ----------------------------------------------------------------------------------
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # The access log is one JSON line per request: print it bare, on stdout.
+    access = logging.getLogger("gateway.access")
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    access.addHandler(handler)
+    access.propagate = False
+    # Switched by logging.access_log alone: level "warning" quiets the gateway's own
+    # messages, not the one line per request.
+    access.setLevel(logging.INFO)
+
+
+# -- the process's own limits ----------------------------------------------------------------
+# The process's own limits: which failures are the gateway's fault, and how many client
+# connections its descriptor limit allows.
+#
+# A connect that fails with EMFILE is no sign that the backend is down: counting it against
+# the backend ejected healthy ones in turn, each ejection doubling. And a gateway that accepts
+# connections until it has no descriptor left cannot open one to a backend, nor answer its own
+# probes; refusing clients early keeps a reserve for both.
+
+
+# A local resource is exhausted: another backend would fare no better.
+LOCAL_ERRNOS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+# Descriptors kept back from clients: listeners, the admin side, health probes, discovery,
+# log files, the event loop's own.
+RESERVED_FDS: Final = 64
+
+
+def is_local(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in LOCAL_ERRNOS
+
+
+def default_max_client_connections() -> int:
+    """Half of the descriptors left after the reserve: each client connection may need one
+    more, to its backend."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(16, (soft - RESERVED_FDS) // 2)
+
+
+# -- malloc --------------------------------------------------------------------------------
+# glibc malloc settings for a process that moves multi-MB bodies.
+#
+# Python asks malloc for each large body (a joined request body, simdjson's padded copy,
+# response chunks). glibc serves blocks above its mmap threshold (128 KiB to start) with a
+# fresh mmap, so every such block is page-faulted in as it is written and unmapped on free:
+# about a fifth of the gateway's CPU on 1 MB chat bodies. Serving blocks up to 32 MiB from
+# the heap, and keeping up to 64 MiB of freed heap before giving it back, lets those pages be
+# reused hot. The cost is RSS that stays up to that much above the live set after a burst.
 
 # mallopt parameter numbers, from glibc's malloc.h.
 _M_TRIM_THRESHOLD: Final = -1

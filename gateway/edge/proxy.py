@@ -28,6 +28,7 @@ from gateway.contract.inspection import check_headers, inspect_body, inspect_lar
 from gateway.contract.policy import MaskPolicy, Rejection
 from gateway.contract.routes import Family, Route, RouteTable, canonical_path
 from gateway.contract.skim import SKIM_MIN_BODY
+from gateway.edge.aio import CoalescingResponse
 from gateway.edge.auth import ApiKeys, read_keys_file
 from gateway.edge.budget import InspectionBudget, parse_cost
 from gateway.edge.headers import REQUEST_ID, SERVER, ForwardingPolicy, valid_request_id
@@ -47,12 +48,6 @@ BUFFERED_BODY_MAX: Final = 2 << 20
 
 class _TooLarge(Exception):
     pass
-
-
-class _CoalescingResponse(web.StreamResponse):
-    """A relayed response whose headers wait for the first body bytes (one write, not two)."""
-
-    _send_headers_immediately = False
 
 
 class _RequestIds:
@@ -541,7 +536,7 @@ class Proxy:
         try:
             # A sized body (a whole JSON reply) goes out with its headers in one write; a
             # stream (SSE, chunked) gets its headers at once, before its first event.
-            cls = _CoalescingResponse if length is not None else web.StreamResponse
+            cls = CoalescingResponse if length is not None else web.StreamResponse
             resp = cls(status=upstream.status, reason=upstream.reason)
             resp_headers = resp.headers
             for name, value in ForwardingPolicy.downstream(

@@ -16,40 +16,20 @@ import asyncio
 import errno
 import ssl
 from collections import deque
-from collections.abc import Callable
 from typing import Final
 from urllib.parse import urlsplit
 
-from aiohttp.client_proto import ResponseHandler
 from aiohttp.http_parser import RawResponseMessage
 from aiohttp.streams import StreamReader
 
-from gateway.resources import is_local
+from gateway.edge.aio import UpstreamConnection
+from gateway.edge.failures import ConnectFailed, UpstreamBroken
+from gateway.runtime import is_local
+
+__all__ = ["ConnectFailed", "Upstream", "UpstreamBroken", "UpstreamResponse", "build_head"]
 
 _CRLF: Final = "\r\n"
 _NO_BODY_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
-# Interim (1xx) responses accepted before the final one. RFC 9110 sets no limit, but every
-# real server sends at most a few (100 Continue, 103 Early Hints); each one costs a parse and
-# a queued message, so a backend that streams them without end would stall the loop.
-MAX_INTERIM_RESPONSES: Final = 16
-
-
-class ConnectFailed(Exception):
-    """Nothing reached the backend, so the request may be tried on another one.
-
-    `local` is set when the cause is the gateway's own (out of descriptors or buffers):
-    then the backend is not to blame, and no other backend would fare better.
-    """
-
-    def __init__(self, cause: str, *, local: bool = False) -> None:
-        super().__init__(cause)
-        self.cause = cause
-        self.local = local
-
-
-class UpstreamBroken(Exception):
-    """The request went out and the backend's answer is unusable (not HTTP, an upgrade the
-    gateway does not relay, endless interim responses): never replayed elsewhere."""
 
 
 def build_head(
@@ -87,86 +67,6 @@ def build_head(
     return text.encode("utf-8", "surrogateescape")
 
 
-class _Connection(ResponseHandler):
-    """aiohttp's client protocol, remembering how its parser was set up (the C parser reads
-    one response after another, so a kept-alive connection need not build a new one), and
-    holding each connection to one rule: the backend speaks only when asked.
-
-    HTTP/1.1 has no request ids: a response is matched to a request only by its place on
-    the connection. Bytes that arrive while no response is expected (on an idle pooled
-    connection, or after a response ended) would be read as the answer to the next request
-    sent on it, and every later answer would belong to the request before. So such bytes are
-    never parsed: they mark the connection unusable and close it, and so does an EOF while
-    idle. What cannot be told apart is a stray response that lands after a request went out;
-    then the real answer arrives unasked and closes the connection, so at most that one
-    request is affected, never the ones after it.
-    """
-
-    head_only: bool | None = None  # None: no parser yet
-    # Set from the request write until its response body ended (or its head, for no body).
-    expecting = False
-    final_head = False  # the final (non-1xx) head of the current request was delivered
-    interim = 0
-    unsolicited = False  # bytes or EOF arrived unasked: never reuse
-    on_unsolicited: Callable[[], None] | None = None
-
-    def begin(self) -> None:
-        self.expecting = True
-        self.final_head = False
-        self.interim = 0
-
-    def _refuse(self) -> None:
-        if not self.unsolicited:
-            self.unsolicited = True
-            if self.on_unsolicited is not None:
-                self.on_unsolicited()
-        transport = self.transport
-        if transport is not None:
-            transport.abort()
-
-    def data_received(self, data: bytes) -> None:
-        # aiohttp calls this with b"" itself when it resumes reading: not the backend's doing.
-        if data and not self.expecting:
-            self._refuse()
-            return
-        super().data_received(data)
-
-    def eof_received(self) -> None:
-        if not self.expecting:
-            self.unsolicited = True  # a FIN on an idle connection: the backend closed it
-        super().eof_received()
-
-    def feed_data(self, data: tuple[RawResponseMessage, StreamReader], size: int = 0) -> None:
-        """Each response head the parser completes, before it is queued for the reader."""
-        if self.final_head:
-            # A second response to one request (the parser found it in the same read as the
-            # first one's end): it answers nothing, and whatever comes next is suspect.
-            self._refuse()
-            return
-        code = data[0].code
-        if 100 <= code <= 199 and code != 101:
-            self.interim += 1
-            if self.interim > MAX_INTERIM_RESPONSES:
-                self.set_exception(UpstreamBroken("too many interim responses"))
-                transport = self.transport
-                if transport is not None:
-                    transport.abort()
-                return
-        else:
-            self.final_head = True
-            payload = data[1]
-            # The response ends with its body; from then on the backend has nothing to say.
-            payload.on_eof(self._response_ended)
-        super().feed_data(data, size)
-
-    def _response_ended(self) -> None:
-        self.expecting = False
-
-    @property
-    def reusable(self) -> bool:
-        return not self.unsolicited and not self._buffer and self.is_connected()
-
-
 class _Endpoint:
     __slots__ = ("host", "host_header", "idle", "port", "tls", "url")
 
@@ -179,7 +79,7 @@ class _Endpoint:
         self.host_header = parts.netloc
         self.tls = parts.scheme == "https"
         # (protocol, loop time after which it is too old to reuse); newest on the right.
-        self.idle: deque[tuple[_Connection, float]] = deque()
+        self.idle: deque[tuple[UpstreamConnection, float]] = deque()
 
 
 class UpstreamResponse:
@@ -191,7 +91,7 @@ class UpstreamResponse:
         self,
         owner: Upstream,
         endpoint: _Endpoint,
-        proto: _Connection,
+        proto: UpstreamConnection,
         *,
         message: RawResponseMessage,
         content: StreamReader,
@@ -199,7 +99,7 @@ class UpstreamResponse:
     ) -> None:
         self._owner = owner
         self._endpoint = endpoint
-        self._proto: _Connection | None = proto
+        self._proto: UpstreamConnection | None = proto
         self._deadline = deadline
         self.message = message
         self.content = content
@@ -234,7 +134,7 @@ class UpstreamResponse:
         if proto is not None:
             _shut(proto)
 
-    def _take(self) -> _Connection | None:
+    def _take(self) -> UpstreamConnection | None:
         proto, self._proto = self._proto, None
         if proto is not None:
             self._owner.active -= 1
@@ -357,11 +257,11 @@ class Upstream:
 
     async def _connect(
         self, endpoint: _Endpoint, loop: asyncio.AbstractEventLoop, connect_s: float
-    ) -> _Connection:
+    ) -> UpstreamConnection:
         try:
             async with asyncio.timeout(connect_s):
                 _, proto = await loop.create_connection(
-                    lambda: _Connection(loop),
+                    lambda: UpstreamConnection(loop),
                     endpoint.host,
                     endpoint.port,
                     ssl=self._tls_context() if endpoint.tls else None,
@@ -387,7 +287,7 @@ class Upstream:
             self._tls = ssl.create_default_context()
         return self._tls
 
-    def _take_idle(self, endpoint: _Endpoint, now: float) -> _Connection | None:
+    def _take_idle(self, endpoint: _Endpoint, now: float) -> UpstreamConnection | None:
         idle = endpoint.idle
         while idle:
             proto, expires = idle.pop()
@@ -396,7 +296,7 @@ class Upstream:
             _shut(proto)
         return None
 
-    def put_idle(self, endpoint: _Endpoint, proto: _Connection) -> None:
+    def put_idle(self, endpoint: _Endpoint, proto: UpstreamConnection) -> None:
         transport = proto.transport
         if (
             self._closed
@@ -446,14 +346,14 @@ class Upstream:
                 endpoint.idle.pop()[0].close()
 
 
-def _retire(idle: deque[tuple[_Connection, float]], now: float) -> None:
+def _retire(idle: deque[tuple[UpstreamConnection, float]], now: float) -> None:
     """Close pooled connections that are too old or closed, oldest first: the gateway retires
     them before the backend's own idle timeout can close one under a new request."""
     while idle and (idle[0][1] <= now or not idle[0][0].reusable):
         _shut(idle.popleft()[0])
 
 
-def _shut(proto: _Connection) -> None:
+def _shut(proto: UpstreamConnection) -> None:
     """Close a connection now. A plain close waits until queued bytes are sent, which a
     backend that stopped reading the request body would never allow: reset it instead."""
     transport = proto.transport

@@ -16,7 +16,7 @@ import aiohttp
 
 from gateway.config import HealthConfig
 from gateway.fleet.pool import Backend, BackendPool
-from gateway.resources import LOCAL_ERRNOS
+from gateway.runtime import LOCAL_ERRNOS
 
 log = logging.getLogger("gateway.fleet.health")
 

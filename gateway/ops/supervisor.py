@@ -38,6 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from gateway import config as config_mod
+from gateway import runtime
 from gateway.config import GatewayConfig
 from gateway.ops.admin import make_admin_app
 from gateway.ops.lifecycle import LIFELINE_ENV, read_reload, watch_mtime
@@ -273,18 +274,10 @@ class Supervisor:
         yield reloads
 
     async def run(self) -> int:
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-        reloads: set[asyncio.Task[bool]] = set()
+        async with runtime.Signals(on_hup=self.reload) as signals:
+            return await self._run(signals)
 
-        def on_hup() -> None:
-            task = asyncio.create_task(self.reload(), name="reload")
-            reloads.add(task)
-            task.add_done_callback(reloads.discard)
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        loop.add_signal_handler(signal.SIGHUP, on_hup)
+    async def _run(self, signals: runtime.Signals) -> int:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
         admin = make_admin_app(ready=self.ready, metrics=self.metrics)
         runner = web.AppRunner(admin, handle_signals=False, access_log=None)
@@ -302,7 +295,7 @@ class Supervisor:
             )
         log.info("supervisor: %d workers on port %d", len(self.workers), self.cfg.listen.port)
         try:
-            await stop.wait()
+            await signals.wait()
         finally:
             self._stopping = True
             self._signal_all(signal.SIGTERM)

@@ -8,13 +8,13 @@ edge by the sampling-mask rule, one forwarded).
 from __future__ import annotations
 
 import argparse
-import asyncio
-import signal
 from collections.abc import Sequence
 
 from gateway import config as config_mod
+from gateway import runtime
 from gateway.app import Gateway
-from gateway.cli import check_runtime, run_loop, setup_logging
+from gateway.edge.aio import check_runtime
+from gateway.runtime import setup_logging
 from gateway.testing.stub import StubBackend
 
 _BANNER = """
@@ -52,11 +52,7 @@ async def _run(host: str, port: int, admin_port: int, stub_port: int) -> None:
             _BANNER.format(host=host, port=gateway.port, admin=gateway.admin_port, stub=stub.url),
             flush=True,
         )
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        await runtime.until_stopped()
     finally:
         await gateway.stop()
         await stub.stop()
@@ -74,5 +70,5 @@ def main(argv: Sequence[str]) -> int:
         print(f"sglang-gateway: {problem}")
         return 1
     setup_logging("info")
-    run_loop(_run(args.host, args.port, args.admin_port, args.stub_port))
+    runtime.run(_run(args.host, args.port, args.admin_port, args.stub_port))
     return 0

@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import hashlib
 import itertools
-import signal
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator
@@ -24,13 +23,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-_LOOP_FACTORY: Callable[[], asyncio.AbstractEventLoop] | None
-try:
-    import uvloop
-
-    _LOOP_FACTORY = uvloop.new_event_loop
-except ImportError:  # pragma: no cover - uvloop is absent only on exotic platforms
-    _LOOP_FACTORY = None
+from gateway import runtime
 
 TOP_K_ALL = 1 << 30
 VOCAB_SIZE = 32000
@@ -771,19 +764,14 @@ async def _serve(args: argparse.Namespace) -> None:
     port = await stub.start(args.host, args.port)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"stub listening on http://{host}:{port}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        await runtime.until_stopped()
     finally:
         await stub.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
-    with asyncio.Runner(loop_factory=_LOOP_FACTORY) as runner:
-        runner.run(_serve(_parse_args(argv)))
+    runtime.run(_serve(_parse_args(argv)))
 
 
 if __name__ == "__main__":

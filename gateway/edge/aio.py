@@ -1,0 +1,251 @@
+"""Every use of aiohttp's internals, in one place: what the gateway extends of aiohttp's
+server and client machinery, and what it checks of aiohttp itself.
+
+aiohttp serves the gateway's listener and parses both directions with its C HTTP parser;
+the gateway changes a few behaviours that aiohttp exposes no option for: error replies and
+log lines that quote no request bytes and a cap on client connections (the listener), a
+relayed response whose head waits for its first body bytes, and an upstream connection that
+speaks only when asked (no stray response is ever read as an answer). These subclass
+aiohttp classes and touch attributes that are not public API, which can change in a patch
+release; keeping them here means one module to review on every aiohttp upgrade, and the
+rest of the gateway imports only aiohttp's public names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from http import HTTPStatus
+from typing import Any, Final, cast
+
+import aiohttp
+from aiohttp import http_parser, web
+from aiohttp.client_proto import ResponseHandler
+from aiohttp.http_parser import RawResponseMessage
+from aiohttp.streams import StreamReader
+from aiohttp.web_protocol import RequestHandler
+
+from gateway.contract import replies as errors
+from gateway.contract.routes import Family
+from gateway.edge.failures import UpstreamBroken
+from gateway.edge.headers import SERVER
+from gateway.ops.redact import describe
+
+log = logging.getLogger("gateway.listener")
+
+_MIN_AIOHTTP: Final = (3, 14, 2)
+# Interim (1xx) responses accepted before the final one. RFC 9110 sets no limit, but every
+# real server sends at most a few (100 Continue, 103 Early Hints); each one costs a parse and
+# a queued message, so a backend that streams them without end would stall the loop.
+MAX_INTERIM_RESPONSES: Final = 16
+
+
+def check_runtime() -> str | None:
+    """Refuse to run on an aiohttp without its C HTTP parser or older than 3.14.2.
+
+    The pure-Python parser is slower and has had request-smuggling bugs the C one did
+    not; a filter in front of SGLang must not run on it unnoticed.
+    """
+    version = tuple(int(x) for x in aiohttp.__version__.split(".")[:3] if x.isdigit())
+    if version < _MIN_AIOHTTP:
+        return f"aiohttp {aiohttp.__version__} is too old; 3.14.2 or newer is required"
+    c_parser = getattr(http_parser, "HttpRequestParserC", None)
+    if c_parser is None or http_parser.HttpRequestParser is not c_parser:
+        return (
+            "aiohttp's C HTTP parser is not in use (AIOHTTP_NO_EXTENSIONS set, or a build "
+            "without extensions); refusing to start"
+        )
+    return None
+
+
+# -- the listener ---------------------------------------------------------------------------
+
+
+class _RequestHandler(RequestHandler):
+    """aiohttp's connection protocol, with error replies and log lines that quote nothing.
+
+    aiohttp answers a request it cannot parse with the parser's message, which echoes the
+    offending bytes, and logs that message with the raw header line or the bytes that
+    followed a body (the next pipelined request: a prompt). The client gets a fixed JSON
+    body; the log gets the status and the exception's type.
+    """
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        manager = self._manager
+        if isinstance(manager, ClientServer):
+            manager.count_refused(status)
+        log.debug(
+            "refused a request the HTTP parser could not read: %d %s",
+            status,
+            type(exc).__name__ if exc is not None else "-",
+        )
+        if request.writer.output_size > 0:
+            raise ConnectionError("a reply is already under way; the connection is dropped")
+        try:
+            phrase = HTTPStatus(status).phrase
+        except ValueError:
+            phrase = "Error"
+        body = errors.render(Family.PLAIN, status, phrase)
+        resp = web.Response(status=status, body=body, content_type="application/json")
+        resp.headers[SERVER[0]] = SERVER[1]
+        resp.force_close()
+        return resp
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        manager = self._manager
+        if isinstance(manager, ClientServer) and manager.full():
+            # Refused before anything is read, while the process still has descriptors to
+            # spare for its backends, its probes and the admin listener.
+            manager.connections_refused += 1
+            self._manager = None  # never registered: connection_lost has nothing to undo
+            transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
+            transport.write(manager.full_reply)
+            transport.close()
+            return
+        super().connection_made(transport)
+
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        exc = kw.get("exc_info")
+        detail = describe(exc) if isinstance(exc, BaseException) else "-"
+        log.error("connection handler failed: %s", detail)
+
+    def log_debug(self, *args: Any, **kw: Any) -> None:
+        return  # aiohttp's debug lines may carry exception messages (request bytes)
+
+
+_FULL: Final = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    b"Retry-After: 1\r\nConnection: close\r\n"
+    + SERVER[0].encode()
+    + b": "
+    + SERVER[1].encode()
+    + b"\r\nContent-Length: %d\r\n\r\n%s"
+)
+
+
+def _full_reply() -> bytes:
+    body = errors.render(
+        Family.PLAIN, 503, "The gateway is at its client connection limit; retry later."
+    )
+    return _FULL % (len(body), body)
+
+
+class ClientServer(web.Server):
+    """aiohttp's low-level server, counting the requests its parser refused, and holding
+    at most `max_connections` client connections."""
+
+    def __init__(self, *args: Any, max_connections: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.refused: dict[int, int] = {}
+        self.max_connections = max_connections
+        self.connections_refused = 0
+        self.full_reply = _full_reply()
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._connections)
+
+    def full(self) -> bool:
+        return len(self._connections) >= self.max_connections
+
+    def count_refused(self, status: int) -> None:
+        self.refused[status] = self.refused.get(status, 0) + 1
+
+    def __call__(self) -> RequestHandler:
+        return _RequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+# -- the request path -------------------------------------------------------------------------
+
+
+class CoalescingResponse(web.StreamResponse):
+    """A relayed response whose headers wait for the first body bytes (one write, not two)."""
+
+    _send_headers_immediately = False
+
+
+class UpstreamConnection(ResponseHandler):
+    """aiohttp's client protocol, remembering how its parser was set up (the C parser reads
+    one response after another, so a kept-alive connection need not build a new one), and
+    holding each connection to one rule: the backend speaks only when asked.
+
+    HTTP/1.1 has no request ids: a response is matched to a request only by its place on
+    the connection. Bytes that arrive while no response is expected (on an idle pooled
+    connection, or after a response ended) would be read as the answer to the next request
+    sent on it, and every later answer would belong to the request before. So such bytes are
+    never parsed: they mark the connection unusable and close it, and so does an EOF while
+    idle. What cannot be told apart is a stray response that lands after a request went out;
+    then the real answer arrives unasked and closes the connection, so at most that one
+    request is affected, never the ones after it.
+    """
+
+    head_only: bool | None = None  # None: no parser yet
+    # Set from the request write until its response body ended (or its head, for no body).
+    expecting = False
+    final_head = False  # the final (non-1xx) head of the current request was delivered
+    interim = 0
+    unsolicited = False  # bytes or EOF arrived unasked: never reuse
+    on_unsolicited: Callable[[], None] | None = None
+
+    def begin(self) -> None:
+        self.expecting = True
+        self.final_head = False
+        self.interim = 0
+
+    def _refuse(self) -> None:
+        if not self.unsolicited:
+            self.unsolicited = True
+            if self.on_unsolicited is not None:
+                self.on_unsolicited()
+        transport = self.transport
+        if transport is not None:
+            transport.abort()
+
+    def data_received(self, data: bytes) -> None:
+        # aiohttp calls this with b"" itself when it resumes reading: not the backend's doing.
+        if data and not self.expecting:
+            self._refuse()
+            return
+        super().data_received(data)
+
+    def eof_received(self) -> None:
+        if not self.expecting:
+            self.unsolicited = True  # a FIN on an idle connection: the backend closed it
+        super().eof_received()
+
+    def feed_data(self, data: tuple[RawResponseMessage, StreamReader], size: int = 0) -> None:
+        """Each response head the parser completes, before it is queued for the reader."""
+        if self.final_head:
+            # A second response to one request (the parser found it in the same read as the
+            # first one's end): it answers nothing, and whatever comes next is suspect.
+            self._refuse()
+            return
+        code = data[0].code
+        if 100 <= code <= 199 and code != 101:
+            self.interim += 1
+            if self.interim > MAX_INTERIM_RESPONSES:
+                self.set_exception(UpstreamBroken("too many interim responses"))
+                transport = self.transport
+                if transport is not None:
+                    transport.abort()
+                return
+        else:
+            self.final_head = True
+            payload = data[1]
+            # The response ends with its body; from then on the backend has nothing to say.
+            payload.on_eof(self._response_ended)
+        super().feed_data(data, size)
+
+    def _response_ended(self) -> None:
+        self.expecting = False
+
+    @property
+    def reusable(self) -> bool:
+        return not self.unsolicited and not self._buffer and self.is_connected()
