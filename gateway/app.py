@@ -20,6 +20,7 @@ from gateway import config as config_mod
 from gateway import runtime
 from gateway.config import GatewayConfig
 from gateway.edge.aio import ClientServer
+from gateway.edge.clients import AiohttpClients, make_session
 from gateway.edge.proxy import BUFFERED_BODY_MAX, Proxy, ProxySettings
 from gateway.edge.upstream import Upstream
 from gateway.fleet.discovery import Resolver
@@ -60,29 +61,6 @@ def make_upstream(cfg: GatewayConfig) -> Upstream:
         # pooled connection the backend is closing (the keep-alive race).
         keepalive_s=cfg.timeouts.upstream_keepalive_s,
         read_bufsize=_UPSTREAM_READ_BUFSIZE,
-        max_line_size=cfg.limits.max_header_bytes,
-        max_field_size=cfg.limits.max_header_bytes,
-    )
-
-
-def make_session(cfg: GatewayConfig) -> aiohttp.ClientSession:
-    """The client for health probes and discovery (the request path has its own)."""
-    t = cfg.timeouts
-    connector = aiohttp.TCPConnector(
-        limit=0,
-        limit_per_host=0,
-        # Below uvicorn's 5 s idle timeout, like the request path's pool: a probe never
-        # goes out on a connection the backend is closing.
-        keepalive_timeout=t.upstream_keepalive_s,
-        ttl_dns_cache=10,
-    )
-    return aiohttp.ClientSession(
-        connector=connector,
-        # A default only: health probes and the Kubernetes list and watch set their own.
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s, sock_read=t.ttfb_s),
-        skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
-        auto_decompress=False,
-        cookie_jar=aiohttp.DummyCookieJar(),
         max_line_size=cfg.limits.max_header_bytes,
         max_field_size=cfg.limits.max_header_bytes,
     )
@@ -201,7 +179,7 @@ class Gateway:
         ).start()
         self.admin_port = _bound_port(self._admin_runner)
 
-        self.fleet.start(self._session)
+        self.fleet.start(AiohttpClients(self._session))
         if cfg.reload.watch_interval_s is not None and self.config_path is not None:
             self._watch_task = asyncio.create_task(
                 watch_mtime(self.config_path, cfg.reload.watch_interval_s, self.reload),

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from gateway import config as config_mod
 from gateway.app import Gateway
-from gateway.fleet.discovery import KubernetesApi
+from gateway.edge.clients import KubernetesApi
 from gateway.fleet.pool import Health
 from gateway.testing.stub import StubBackend
 from tests.conftest import GatewayFactory, admin_url, gw_url, wait_for

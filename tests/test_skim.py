@@ -17,11 +17,11 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.contract.inspection import inspect_large
 from gateway.contract.jsonview import Head
 from gateway.contract.policy import MaskPolicy
 from gateway.contract.routes import Kind
 from gateway.contract.skim import SKIM_MIN_BODY, _valid_slice, skim
+from gateway.edge.admission import inspect_large
 from gateway.edge.budget import InspectionBudget
 
 POLICY = MaskPolicy(max_n=1024)
@@ -199,3 +199,31 @@ async def test_skim_yields_to_the_loop() -> None:
     await ticker
     assert result is not None and result.extra_elements == {"input_ids": 8 << 20}
     assert len(gaps) > 10  # other tasks ran while 16 MiB were checked
+
+
+def test_integers_orjson_reads_as_floats_are_left_to_the_parser() -> None:
+    """Found by a fuzz run: orjson reads an integer below -2**63 as a float, so a run
+    holding one is not the integer list the skim vouches for."""
+    for piece in (b"-9223372036854775809", b"1,-9999999999999999999"):
+        assert _valid_slice(piece) is None
+        assert any(type(v) is float for v in orjson.loads(b"[" + piece + b"]"))
+    # Any negative of 19 digits is left to the parser (some are integers: no harm done).
+    assert _valid_slice(b"-1000000000000000000") is None
+    assert _valid_slice(b"-922337203685477580,1") == 2  # 18 digits: an integer
+
+
+async def test_many_short_sequences_are_scanned_in_linear_time() -> None:
+    """Found by a fuzz run: batches of sequences just under the run threshold made the run
+    search quadratic (1.6 s per MiB). They are read whole now, and the scan yields."""
+    sequence = b"[" + b",".join([b"1"] * 2046) + b"]"  # 4093 bytes: below the threshold
+    body = b'{"input_ids": [' + b",".join([sequence] * 260) + b"]}"
+    assert len(body) >= SKIM_MIN_BODY
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    assert await skim(body, SHAPE) is None  # nothing long enough to skim
+    took = loop.time() - started
+    floats = b'{"input_embeds": [' + b",".join([b"0.5"] * 400_000) + b"]}"
+    started = loop.time()
+    assert await skim(floats, SHAPE) is None
+    took = max(took, loop.time() - started)
+    assert took < 0.5, took  # was 1.6 s for the first body alone

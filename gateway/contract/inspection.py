@@ -20,8 +20,7 @@ import orjson
 from gateway.contract.jsonview import Head, read_view
 from gateway.contract.policy import READS, SHAPE_ONLY, MaskPolicy, Rejection
 from gateway.contract.routes import Kind
-from gateway.contract.skim import Skimmed, skim
-from gateway.edge.budget import InspectionBudget, TooCostly, parse_cost
+from gateway.contract.skim import Skimmed
 
 _JSON_SUBTYPE: Final = "json"
 
@@ -74,7 +73,7 @@ _VIEW_MIN_BYTES: Final = 4096
 # fuzz of 20,000 bodies with dense arrays opened with two or more blanks after the top-level
 # brace, as indented JSON does. simdjson reads those bodies fine, so the view would forward
 # what SGLang (orjson) refuses; such bodies are read by orjson itself.
-_ORJSON_SENSITIVE: Final = re.compile(rb"[ \t\r\n]*\{[ \t\r\n]{2}")
+ORJSON_SENSITIVE: Final = re.compile(rb"[ \t\r\n]*\{[ \t\r\n]{2}")
 
 
 def parse_object(
@@ -89,7 +88,7 @@ def parse_object(
     """
     parsed = skimmed.body if skimmed is not None else body
     try:
-        if kind is None or len(parsed) < _VIEW_MIN_BYTES or _ORJSON_SENSITIVE.match(parsed):
+        if kind is None or len(parsed) < _VIEW_MIN_BYTES or ORJSON_SENSITIVE.match(parsed):
             obj = orjson.loads(parsed)
         else:
             obj = read_view(parsed, READS.get(kind), SHAPE_ONLY)
@@ -161,48 +160,6 @@ def may_hold_mask_key(body: bytes) -> bool:
         if at >= 0:
             return True  # still more escapes: read it rather than walk on
     return _MASK_KEY in body
-
-
-INSPECTION_BUSY: Final = "The gateway is busy inspecting other large requests; retry later."
-
-
-async def inspect_large(
-    kind: Kind,
-    body: bytes,
-    policy: MaskPolicy,
-    budget: InspectionBudget,
-    *,
-    wait_s: float,
-    skip_parse_without_key: bool = False,
-) -> Rejection | None:
-    """inspect_body for any size: long integer arrays in shape-only fields are validated
-    without being parsed (gateway/contract/skim.py), and the parse waits for its share of the
-    inspection budget (gateway/edge/budget.py)."""
-    if skip_parse_without_key and not may_hold_mask_key(body):
-        return None
-    # orjson's own verdict is needed on bodies it may refuse (see _ORJSON_SENSITIVE).
-    skimmed = None if _ORJSON_SENSITIVE.match(body) else await skim(body, SHAPE_ONLY)
-    cost = parse_cost(skimmed.body if skimmed is not None else body)
-    try:
-        granted = await budget.acquire(cost, wait_s)
-    except TooCostly:
-        return Rejection(
-            413,
-            "request_body",
-            "too_costly",
-            "Request body needs more memory to inspect than limits.max_inspecting_bytes "
-            f"({budget.limit} bytes) allows.",
-            detail=f"estimated {cost} bytes",
-        )
-    if not granted:
-        return Rejection(503, "request_body", "inspection_busy", INSPECTION_BUSY)
-    try:
-        parsed = parse_object(body, kind, skimmed)
-        if isinstance(parsed, Rejection):
-            return parsed
-        return policy.check(kind, parsed)
-    finally:
-        budget.release(cost)
 
 
 def inspect_body(

@@ -13,8 +13,9 @@ Why the reduced body is read exactly as orjson reads the original:
   followed by `]` or `,`. In JSON only an array holds a value after `[` or `,`, and in an
   array a list of values and a single value are interchangeable, so replacing the list by
   one number keeps a valid document valid and an invalid one invalid;
-- every number in a run matches orjson's integer grammar with at most 19 digits (orjson
-  reads any such integer); a run that does not is left in place for the parser to judge;
+- every number in a run matches orjson's integer grammar with at most 19 digits, 18 when
+  negative (orjson reads any such number as an integer; from -2**63 - 1 down it reads a
+  float); a run that does not is left in place for the parser to judge;
 - the replacement `0` is an integer like every element it stands for, and runs are only
   taken inside top-level shape-only fields that hold no string, so the policy sees the
   same nesting and the same element types; the lengths the runs change are put back
@@ -43,7 +44,14 @@ _SLICE: Final = 256 << 10
 _MAX_STEPS: Final = 100_000
 
 _BLANKS: Final = b" \t\r\n"
-_RUN: Final = re.compile(rb"-?[0-9][0-9,\- \t\r\n]{%d,}" % _RUN_MIN)
+# A maximal stretch of integer-list bytes. Any length, then the short ones are dropped in
+# Python: a `{4096,}` repetition would be retried at every start inside each shorter
+# stretch, quadratic in its length (a batch of 4 KB sequences held the loop for seconds).
+_RUN: Final = re.compile(rb"-?[0-9][0-9,\- \t\r\n]*")
+# Stretches examined in one field between two yields, and at most in all (a float array has
+# one stretch per number: such a field is left to the parser).
+_STRETCHES_PER_YIELD: Final = 2048
+_MAX_SHORT_STRETCHES: Final = 100_000
 _STRUCTURAL_BYTES: Final = (b"[", b"]", b"{", b"}", b'"')
 _STRING_STOP: Final = re.compile(rb'["\\]')
 _SCALAR_END: Final = re.compile(rb"[,}\] \t\r\n]")
@@ -52,6 +60,7 @@ _ALL_BLANKS_TO_SPACE: Final = bytes.maketrans(b"\t\r\n", b"   ")
 _ZERO_DIGIT: Final = bytes.maketrans(b"0123456789", b"zddddddddd")
 _ANY_DIGIT: Final = bytes.maketrans(b"z", b"d")
 _TWENTY_DIGITS: Final = b"d" * 20
+_NEGATIVE_19: Final = b"-" + b"d" * 19
 
 
 @dataclass
@@ -216,6 +225,8 @@ def _valid_slice(piece: bytes) -> int | None:
             return None  # blanks inside a number, or more than the squeeze removes
     marks = piece.translate(_ZERO_DIGIT)
     if b"-" in marks:
+        if _NEGATIVE_19 in marks.translate(_ANY_DIGIT):
+            return None  # below -2**63 orjson reads a float: left to the parser
         marks = (b"," + marks).replace(b",-", b",")[1:]
         if b"-" in marks:
             return None  # a sign that does not open an element
@@ -274,7 +285,15 @@ async def skim(body: bytes, shape_only: frozenset[str]) -> Skimmed | None:
         gap_from = start
         direct_runs = 0
         direct_elements = 0
-        for m in _RUN.finditer(body, start, end):
+        short = 0
+        for seen, m in enumerate(_RUN.finditer(body, start, end), 1):
+            if seen % _STRETCHES_PER_YIELD == 0:
+                await asyncio.sleep(0)
+            if m.end() - m.start() < _RUN_MIN:
+                short += 1
+                if short > _MAX_SHORT_STRETCHES:
+                    break  # what was replaced so far stays replaced: each run is safe alone
+                continue
             core = _core(body, m.start(), m.end())
             if core is None:
                 continue

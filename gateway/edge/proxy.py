@@ -24,10 +24,11 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from gateway.config import GatewayConfig, header_safe
 from gateway.contract import replies as errors
-from gateway.contract.inspection import check_headers, inspect_body, inspect_large
+from gateway.contract.inspection import check_headers, inspect_body
 from gateway.contract.policy import MaskPolicy, Rejection
 from gateway.contract.routes import Family, Route, RouteTable, canonical_path
 from gateway.contract.skim import SKIM_MIN_BODY
+from gateway.edge.admission import inspect_large
 from gateway.edge.aio import CoalescingResponse
 from gateway.edge.auth import ApiKeys, read_keys_file
 from gateway.edge.budget import InspectionBudget, parse_cost

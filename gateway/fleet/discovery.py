@@ -5,8 +5,9 @@ backend URLs) to a callback; the pool turns snapshots into membership changes. A
 or empty answer never empties the fleet: the last good snapshot stays, and the failure is
 logged and counted.
 
-Seams for tests: DNS answers come from a `Resolver`, the Kubernetes API is reached over
-HTTP at a configurable address (a loopback fake in tests, the in-cluster API otherwise).
+Seams for tests: DNS answers come from a `Resolver`, the Kubernetes API through an
+`EndpointSliceApi` (over HTTP to a configurable address: a loopback fake in tests, the
+in-cluster API otherwise).
 """
 
 from __future__ import annotations
@@ -15,13 +16,9 @@ import asyncio
 import ipaddress
 import logging
 import socket
-import ssl
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
-
-import aiohttp
-import orjson
 
 log = logging.getLogger("gateway.fleet.discovery")
 
@@ -170,84 +167,16 @@ def slice_urls(
     return out
 
 
-class KubernetesApi:
-    """The two EndpointSlice calls discovery needs, over aiohttp (no client library)."""
+class EndpointSliceApi(Protocol):
+    """The two EndpointSlice calls discovery needs (gateway/edge/clients.py makes them over
+    HTTP). Failures raise OSError (a timeout included), or ValueError/KeyError for an
+    answer that is not what the API promises."""
 
-    def __init__(
-        self,
-        session: aiohttp.ClientSession,
-        *,
-        api_server: str,
-        namespace: str,
-        label_selector: str,
-        token_file: str | None,
-        ca_file: str | None,
-        list_timeout_s: float = 30.0,
-    ) -> None:
-        self._session = session
-        # A list is one bounded JSON reply; a hung API server must not hold discovery for the
-        # session's default read timeout (ttfb_s, meant for prefill).
-        self._list_timeout = aiohttp.ClientTimeout(total=list_timeout_s)
-        self._base = (
-            f"{api_server.rstrip('/')}/apis/discovery.k8s.io/v1"
-            f"/namespaces/{namespace}/endpointslices"
-        )
-        self._selector = label_selector
-        self._token_file = token_file
-        self._ssl: ssl.SSLContext | bool = True
-        if ca_file is not None and api_server.startswith("https"):
-            self._ssl = ssl.create_default_context(cafile=ca_file)
+    async def list(self) -> tuple[list[dict[str, Any]], str]: ...
 
-    async def _headers(self) -> dict[str, str]:
-        headers = {"Accept": "application/json"}
-        if self._token_file is not None:
-            # Re-read every call: projected service-account tokens rotate. In a thread, so
-            # a slow volume never stalls the event loop.
-            text = await asyncio.to_thread(Path(self._token_file).read_text, encoding="utf-8")
-            headers["Authorization"] = f"Bearer {text.strip()}"
-        return headers
-
-    async def list(self) -> tuple[list[dict[str, Any]], str]:
-        params = {"labelSelector": self._selector}
-        try:
-            async with self._session.get(
-                self._base,
-                params=params,
-                headers=await self._headers(),
-                ssl=self._ssl,
-                timeout=self._list_timeout,
-            ) as resp:
-                resp.raise_for_status()
-                body = orjson.loads(await resp.read())
-        except TimeoutError as exc:
-            # An error to count and back off from, not the watch's periodic-relist timeout.
-            raise OSError(
-                f"EndpointSlice list timed out after {self._list_timeout.total} s"
-            ) from exc
-        return list(body.get("items") or []), str(body["metadata"].get("resourceVersion", ""))
-
-    async def watch(
+    def watch(
         self, resource_version: str, timeout_s: float
-    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
-        params = {
-            "labelSelector": self._selector,
-            "watch": "1",
-            "resourceVersion": resource_version,
-            "allowWatchBookmarks": "true",
-            "timeoutSeconds": str(int(timeout_s)),
-        }
-        async with self._session.get(
-            self._base,
-            params=params,
-            headers=await self._headers(),
-            ssl=self._ssl,
-            timeout=aiohttp.ClientTimeout(total=None, sock_read=timeout_s + 30),
-        ) as resp:
-            resp.raise_for_status()
-            async for line in resp.content:
-                if line.strip():
-                    event = orjson.loads(line)
-                    yield str(event.get("type")), event.get("object") or {}
+    ) -> AsyncIterator[tuple[str, dict[str, Any]]]: ...
 
 
 class KubernetesDiscovery(_Publishing):
@@ -261,7 +190,7 @@ class KubernetesDiscovery(_Publishing):
 
     def __init__(
         self,
-        api: KubernetesApi,
+        api: EndpointSliceApi,
         *,
         scheme: str,
         port: int | None,
@@ -310,7 +239,7 @@ class KubernetesDiscovery(_Publishing):
                         self._publish(publish)
             except TimeoutError:
                 continue  # periodic full relist
-            except (aiohttp.ClientError, OSError, ValueError, KeyError) as exc:
+            except (OSError, ValueError, KeyError) as exc:
                 self.errors += 1
                 log.warning("kubernetes discovery failed (%s); retrying, last good set kept", exc)
                 await asyncio.sleep(self._retry)

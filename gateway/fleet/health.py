@@ -11,22 +11,32 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-
-import aiohttp
+from dataclasses import dataclass
+from typing import Protocol
 
 from gateway.config import HealthConfig
 from gateway.fleet.pool import Backend, BackendPool
-from gateway.runtime import LOCAL_ERRNOS
 
 log = logging.getLogger("gateway.fleet.health")
 
 
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    ok: bool
+    why: str
+    # False when the probe could not be sent for a reason of the gateway's own (out of
+    # descriptors): it says nothing about the backend and changes no state.
+    counted: bool = True
+
+
+class Prober(Protocol):
+    async def probe(self, url: str, timeout_s: float) -> ProbeResult: ...
+
+
 class HealthChecker:
-    def __init__(
-        self, pool: BackendPool, session: aiohttp.ClientSession, cfg: HealthConfig
-    ) -> None:
+    def __init__(self, pool: BackendPool, prober: Prober, cfg: HealthConfig) -> None:
         self._pool = pool
-        self._session = session
+        self._prober = prober
         self.cfg = cfg
         self._tasks: dict[Backend, asyncio.Task[None]] = {}
 
@@ -52,27 +62,14 @@ class HealthChecker:
                 await task
 
     async def probe_once(self, backend: Backend) -> bool:
-        timeout = aiohttp.ClientTimeout(total=self.cfg.timeout_s)
-        try:
-            async with self._session.get(
-                backend.url + self.cfg.path, timeout=timeout, allow_redirects=False
-            ) as resp:
-                await resp.read()
-                ok = resp.status == 200
-                why = f"probe status {resp.status}"
-        except TimeoutError:
-            ok, why = False, "probe timed out"
-        except aiohttp.ClientError as exc:
-            if isinstance(exc, aiohttp.ClientOSError) and exc.errno in LOCAL_ERRNOS:
-                # The gateway is out of descriptors: it says nothing about the backend.
-                log.warning("health probe of %s not sent: %s", backend.url, type(exc).__name__)
-                return False
-            ok, why = False, f"probe failed: {type(exc).__name__}"
-        if ok:
+        result = await self._prober.probe(backend.url + self.cfg.path, self.cfg.timeout_s)
+        if not result.counted:
+            log.warning("health probe of %s: %s", backend.url, result.why)
+        elif result.ok:
             self._pool.probe_ok(backend)
         else:
-            self._pool.probe_failed(backend, why)
-        return ok
+            self._pool.probe_failed(backend, result.why)
+        return result.ok
 
     async def _loop(self, backend: Backend) -> None:
         while True:

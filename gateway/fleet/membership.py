@@ -9,23 +9,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import Protocol
 
-import aiohttp
-
-from gateway.config import BackendsConfig
+from gateway.config import BackendsConfig, KubernetesConfig
 from gateway.fleet.balancers import BALANCERS, Balancer
 from gateway.fleet.discovery import (
     Discovery,
     DnsDiscovery,
-    KubernetesApi,
+    EndpointSliceApi,
     KubernetesDiscovery,
     Resolver,
     StaticDiscovery,
 )
-from gateway.fleet.health import HealthChecker
+from gateway.fleet.health import HealthChecker, Prober
 from gateway.fleet.pool import BackendPool, PassivePolicy, PoolPolicy
 
 log = logging.getLogger("gateway.fleet.membership")
+
+
+class FleetClients(Prober, Protocol):
+    """What the fleet asks of the network: probes, and the Kubernetes API."""
+
+    def endpoint_slices(self, cfg: KubernetesConfig) -> EndpointSliceApi: ...
 
 
 def make_balancer(cfg: BackendsConfig) -> Balancer:
@@ -57,9 +62,9 @@ class Fleet:
         self.discovery: Discovery | None = None
         self._discovery_task: asyncio.Task[None] | None = None
         self._health: HealthChecker | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self._clients: FleetClients | None = None
 
-    def _make_discovery(self, cfg: BackendsConfig, session: aiohttp.ClientSession) -> Discovery:
+    def _make_discovery(self, cfg: BackendsConfig, clients: FleetClients) -> Discovery:
         if cfg.discovery == "dns":
             assert cfg.dns is not None
             return DnsDiscovery(
@@ -72,16 +77,12 @@ class Fleet:
         if cfg.discovery == "kubernetes":
             k = cfg.kubernetes
             assert k is not None
-            api = KubernetesApi(
-                session,
-                api_server=k.api_server,
-                namespace=k.namespace,
-                label_selector=k.selector,
-                token_file=k.token_file,
-                ca_file=k.ca_file,
-            )
             return KubernetesDiscovery(
-                api, scheme=k.scheme, port=k.port, port_name=k.port_name, resync_s=k.resync_s
+                clients.endpoint_slices(k),
+                scheme=k.scheme,
+                port=k.port,
+                port_name=k.port_name,
+                resync_s=k.resync_s,
             )
         return StaticDiscovery(cfg.static)
 
@@ -90,14 +91,14 @@ class Fleet:
         if self._health is not None:
             self._health.sync(self.pool.backends)
 
-    def start(self, session: aiohttp.ClientSession) -> None:
-        self._session = session
-        self._health = HealthChecker(self.pool, session, self.cfg.health)
-        self._start_discovery(self.cfg, session)
+    def start(self, clients: FleetClients) -> None:
+        self._clients = clients
+        self._health = HealthChecker(self.pool, clients, self.cfg.health)
+        self._start_discovery(self.cfg, clients)
         self._health.sync(self.pool.backends)
 
-    def _start_discovery(self, cfg: BackendsConfig, session: aiohttp.ClientSession) -> None:
-        self.discovery = self._make_discovery(cfg, session)
+    def _start_discovery(self, cfg: BackendsConfig, clients: FleetClients) -> None:
+        self.discovery = self._make_discovery(cfg, clients)
         self._discovery_task = asyncio.create_task(
             self.discovery.run(self._publish), name=f"discovery:{self.discovery.name}"
         )
@@ -111,17 +112,17 @@ class Fleet:
 
     async def reconfigure(self, cfg: BackendsConfig) -> None:
         """Apply a reloaded config: policies swap now, backend state is kept."""
-        assert self._session is not None and self._health is not None
+        assert self._clients is not None and self._health is not None
         old = self.cfg
         self.cfg = cfg
         self.pool.reconfigure(make_balancer(cfg), pool_policy(cfg))
         if cfg.health != old.health:
             await self._health.stop()
-            self._health = HealthChecker(self.pool, self._session, cfg.health)
+            self._health = HealthChecker(self.pool, self._clients, cfg.health)
         discovery_keys = ("discovery", "static", "dns", "kubernetes")
         if any(getattr(cfg, k) != getattr(old, k) for k in discovery_keys):
             await self._stop_discovery()
-            self._start_discovery(cfg, self._session)
+            self._start_discovery(cfg, self._clients)
         self._health.sync(self.pool.backends)
 
     async def stop(self) -> None:

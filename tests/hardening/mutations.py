@@ -161,7 +161,7 @@ MUTATIONS = [
     (
         "parse-error handler reverted",
         "gateway/app.py",
-        "        server = _Server(",
+        "        server = ClientServer(",
         "        server = web.Server(",
         ["tests/hardening/test_errors.py"],
     ),
@@ -198,21 +198,21 @@ MUTATIONS = [
     # -- Hardening II (issue 12) ------------------------------------------------------------
     (
         "bytes arriving on an idle upstream connection are parsed",
-        "gateway/edge/upstream.py",
+        "gateway/edge/aio.py",
         "        if data and not self.expecting:\n            self._refuse()\n            return\n",
         "",
         ["tests/hardening/test_stray_responses.py"],
     ),
     (
         "a second response in one read is queued",
-        "gateway/edge/upstream.py",
+        "gateway/edge/aio.py",
         "        if self.final_head:\n",
         "        if False:\n",
         ["tests/hardening/test_stray_responses.py"],
     ),
     (
         "interim responses not capped",
-        "gateway/edge/upstream.py",
+        "gateway/edge/aio.py",
         "            if self.interim > MAX_INTERIM_RESPONSES:",
         "            if False:",
         ["tests/hardening/test_protocol_edges.py::test_interim_and_switching_responses"],
@@ -228,13 +228,13 @@ MUTATIONS = [
         # Two layers, removed together: the handler's own quiet error path, and the filter
         # on aiohttp's loggers (either alone keeps the secrets out).
         "parser refusals logged with aiohttp's message",
-        "gateway/app.py",
+        ("gateway/edge/aio.py", "gateway/app.py"),
         (
-            "        manager = self._manager\n        if isinstance(manager, _Server):\n            manager.count_refused(status)\n",
+            "        manager = self._manager\n        if isinstance(manager, ClientServer):\n            manager.count_refused(status)\n",
             "        install_log_redaction()\n",
         ),
         (
-            "        super().handle_error(request, status, exc, None)\n        manager = self._manager\n        if isinstance(manager, _Server):\n            manager.count_refused(status)\n",
+            "        super().handle_error(request, status, exc, None)\n        manager = self._manager\n        if isinstance(manager, ClientServer):\n            manager.count_refused(status)\n",
             "",
         ),
         ["tests/hardening/test_log_secrets.py"],
@@ -248,8 +248,8 @@ MUTATIONS = [
     ),
     (
         "client connections not capped",
-        "gateway/app.py",
-        "        if isinstance(manager, _Server) and manager.full():",
+        "gateway/edge/aio.py",
+        "        if isinstance(manager, ClientServer) and manager.full():",
         "        if False:",
         [
             "tests/hardening/test_descriptors.py::test_default_limit_refuses_excess_connections_and_keeps_serving"
@@ -295,7 +295,7 @@ MUTATIONS = [
     (
         "orjson-sensitive bodies read by simdjson",
         "gateway/contract/inspection.py",
-        "or _ORJSON_SENSITIVE.match(parsed):",
+        "or ORJSON_SENSITIVE.match(parsed):",
         "or False:",
         ["tests/test_jsonview.py::test_bodies_orjson_cannot_allocate_for_are_refused_like_orjson"],
     ),
@@ -324,8 +324,8 @@ MUTATIONS = [
     ),
     (
         "large bodies parsed whole (no skim)",
-        "gateway/contract/inspection.py",
-        "    skimmed = None if _ORJSON_SENSITIVE.match(body) else await skim(body, SHAPE_ONLY)",
+        "gateway/edge/admission.py",
+        "    skimmed = None if ORJSON_SENSITIVE.match(body) else await skim(body, SHAPE_ONLY)",
         "    skimmed = None",
         ["tests/hardening/test_inspection_memory.py"],
     ),
@@ -346,18 +346,24 @@ def main(argv: list[str]) -> int:
         for i, (name, path, old, new, tests) in enumerate(MUTATIONS):
             if only and str(i) not in only:
                 continue
-            target = copy / path
-            original = target.read_text()
-            # One edit, or several (a tuple of anchors and one of replacements) at once.
+            # One edit, or several at once: tuples of anchors and replacements, and of files
+            # (one for all anchors, or one per anchor).
             olds = old if isinstance(old, tuple) else (old,)
             news = new if isinstance(new, tuple) else (new,)
-            if any(anchor not in original for anchor in olds):
+            paths = path if isinstance(path, tuple) else (path,) * len(olds)
+            originals = {p: (copy / p).read_text() for p in set(paths)}
+            mutated = dict(originals)
+            moved = False
+            for p, anchor, replacement in zip(paths, olds, news, strict=True):
+                if anchor not in mutated[p]:
+                    moved = True
+                    break
+                mutated[p] = mutated[p].replace(anchor, replacement, 1)
+            if moved:
                 print(f"[{i}] {name}: anchor moved, not run")
                 continue
-            mutated = original
-            for anchor, replacement in zip(olds, news, strict=True):
-                mutated = mutated.replace(anchor, replacement, 1)
-            target.write_text(mutated)
+            for p, text in mutated.items():
+                (copy / p).write_text(text)
             try:
                 run = subprocess.run(
                     [*PYTEST, *tests],
@@ -368,7 +374,8 @@ def main(argv: list[str]) -> int:
                     check=False,
                 )
             finally:
-                target.write_text(original)
+                for p, text in originals.items():
+                    (copy / p).write_text(text)
             failed = [ln for ln in run.stdout.splitlines() if ln.startswith("FAILED")]
             verdict = "caught" if run.returncode != 0 else "SURVIVED"
             survived += run.returncode == 0

@@ -1,0 +1,58 @@
+"""Inspection of a body of any size: the skim of long integer arrays, a share of the
+inspection budget, then the contract's parse and policy.
+
+The contract's reading (gateway/contract/inspection.py) is pure and synchronous; this adds
+what a server needs around it for large bodies: yielding to the loop while a run is checked
+(gateway/contract/skim.py) and waiting for memory (gateway/edge/budget.py).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from gateway.contract.inspection import ORJSON_SENSITIVE, may_hold_mask_key, parse_object
+from gateway.contract.policy import SHAPE_ONLY, MaskPolicy, Rejection
+from gateway.contract.routes import Kind
+from gateway.contract.skim import skim
+from gateway.edge.budget import InspectionBudget, TooCostly, parse_cost
+
+INSPECTION_BUSY: Final = "The gateway is busy inspecting other large requests; retry later."
+
+
+async def inspect_large(
+    kind: Kind,
+    body: bytes,
+    policy: MaskPolicy,
+    budget: InspectionBudget,
+    *,
+    wait_s: float,
+    skip_parse_without_key: bool = False,
+) -> Rejection | None:
+    """inspect_body for any size: long integer arrays in shape-only fields are validated
+    without being parsed (gateway/contract/skim.py), and the parse waits for its share of the
+    inspection budget (gateway/edge/budget.py)."""
+    if skip_parse_without_key and not may_hold_mask_key(body):
+        return None
+    # orjson's own verdict is needed on bodies it may refuse (see ORJSON_SENSITIVE).
+    skimmed = None if ORJSON_SENSITIVE.match(body) else await skim(body, SHAPE_ONLY)
+    cost = parse_cost(skimmed.body if skimmed is not None else body)
+    try:
+        granted = await budget.acquire(cost, wait_s)
+    except TooCostly:
+        return Rejection(
+            413,
+            "request_body",
+            "too_costly",
+            "Request body needs more memory to inspect than limits.max_inspecting_bytes "
+            f"({budget.limit} bytes) allows.",
+            detail=f"estimated {cost} bytes",
+        )
+    if not granted:
+        return Rejection(503, "request_body", "inspection_busy", INSPECTION_BUSY)
+    try:
+        parsed = parse_object(body, kind, skimmed)
+        if isinstance(parsed, Rejection):
+            return parsed
+        return policy.check(kind, parsed)
+    finally:
+        budget.release(cost)

@@ -1,0 +1,164 @@
+"""The gateway's own HTTP calls, over aiohttp: health probes and the Kubernetes API.
+
+fleet/ decides what to probe and what a discovery answer means, and imports no HTTP client;
+these are the implementations it is given (`AiohttpClients`), so aiohttp's errors stop here
+and fleet/ sees only probe results and OSError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from gateway.config import GatewayConfig, KubernetesConfig
+from gateway.fleet.discovery import EndpointSliceApi
+from gateway.fleet.health import ProbeResult
+from gateway.runtime import LOCAL_ERRNOS
+
+
+def make_session(cfg: GatewayConfig) -> aiohttp.ClientSession:
+    """The client for health probes and discovery (the request path has its own)."""
+    t = cfg.timeouts
+    connector = aiohttp.TCPConnector(
+        limit=0,
+        limit_per_host=0,
+        # Below uvicorn's 5 s idle timeout, like the request path's pool: a probe never
+        # goes out on a connection the backend is closing.
+        keepalive_timeout=t.upstream_keepalive_s,
+        ttl_dns_cache=10,
+    )
+    return aiohttp.ClientSession(
+        connector=connector,
+        # A default only: health probes and the Kubernetes list and watch set their own.
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s, sock_read=t.ttfb_s),
+        skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+        auto_decompress=False,
+        cookie_jar=aiohttp.DummyCookieJar(),
+        max_line_size=cfg.limits.max_header_bytes,
+        max_field_size=cfg.limits.max_header_bytes,
+    )
+
+
+class AiohttpClients:
+    """fleet.membership.FleetClients over one aiohttp session."""
+
+    def __init__(self, session: aiohttp.ClientSession) -> None:
+        self._session = session
+
+    async def probe(self, url: str, timeout_s: float) -> ProbeResult:
+        try:
+            async with self._session.get(
+                url, timeout=aiohttp.ClientTimeout(total=timeout_s), allow_redirects=False
+            ) as resp:
+                await resp.read()
+                if resp.status == 200:
+                    return ProbeResult(True, "probe succeeded")
+                return ProbeResult(False, f"probe status {resp.status}")
+        except TimeoutError:
+            return ProbeResult(False, "probe timed out")
+        except aiohttp.ClientError as exc:
+            if isinstance(exc, aiohttp.ClientOSError) and exc.errno in LOCAL_ERRNOS:
+                # The gateway is out of descriptors: it says nothing about the backend.
+                return ProbeResult(False, f"probe not sent: {type(exc).__name__}", counted=False)
+            return ProbeResult(False, f"probe failed: {type(exc).__name__}")
+
+    def endpoint_slices(self, cfg: KubernetesConfig) -> EndpointSliceApi:
+        return KubernetesApi(
+            self._session,
+            api_server=cfg.api_server,
+            namespace=cfg.namespace,
+            label_selector=cfg.selector,
+            token_file=cfg.token_file,
+            ca_file=cfg.ca_file,
+        )
+
+
+class KubernetesApi:
+    """discovery.EndpointSliceApi over aiohttp (no client library)."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        *,
+        api_server: str,
+        namespace: str,
+        label_selector: str,
+        token_file: str | None,
+        ca_file: str | None,
+        list_timeout_s: float = 30.0,
+    ) -> None:
+        self._session = session
+        # A list is one bounded JSON reply; a hung API server must not hold discovery for the
+        # session's default read timeout (ttfb_s, meant for prefill).
+        self._list_timeout = aiohttp.ClientTimeout(total=list_timeout_s)
+        self._base = (
+            f"{api_server.rstrip('/')}/apis/discovery.k8s.io/v1"
+            f"/namespaces/{namespace}/endpointslices"
+        )
+        self._selector = label_selector
+        self._token_file = token_file
+        self._ssl: ssl.SSLContext | bool = True
+        if ca_file is not None and api_server.startswith("https"):
+            self._ssl = ssl.create_default_context(cafile=ca_file)
+
+    async def _headers(self) -> dict[str, str]:
+        headers = {"Accept": "application/json"}
+        if self._token_file is not None:
+            # Re-read every call: projected service-account tokens rotate. In a thread, so
+            # a slow volume never stalls the event loop.
+            text = await asyncio.to_thread(Path(self._token_file).read_text, encoding="utf-8")
+            headers["Authorization"] = f"Bearer {text.strip()}"
+        return headers
+
+    async def list(self) -> tuple[list[dict[str, Any]], str]:
+        params = {"labelSelector": self._selector}
+        try:
+            async with self._session.get(
+                self._base,
+                params=params,
+                headers=await self._headers(),
+                ssl=self._ssl,
+                timeout=self._list_timeout,
+            ) as resp:
+                resp.raise_for_status()
+                body = orjson.loads(await resp.read())
+        except TimeoutError as exc:
+            # An error to count and back off from, not the watch's periodic-relist timeout.
+            raise OSError(
+                f"EndpointSlice list timed out after {self._list_timeout.total} s"
+            ) from exc
+        except aiohttp.ClientError as exc:
+            raise OSError(f"EndpointSlice list failed: {type(exc).__name__}") from exc
+        return list(body.get("items") or []), str(body["metadata"].get("resourceVersion", ""))
+
+    async def watch(
+        self, resource_version: str, timeout_s: float
+    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        params = {
+            "labelSelector": self._selector,
+            "watch": "1",
+            "resourceVersion": resource_version,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(int(timeout_s)),
+        }
+        try:
+            async with self._session.get(
+                self._base,
+                params=params,
+                headers=await self._headers(),
+                ssl=self._ssl,
+                timeout=aiohttp.ClientTimeout(total=None, sock_read=timeout_s + 30),
+            ) as resp:
+                resp.raise_for_status()
+                async for line in resp.content:
+                    if line.strip():
+                        event = orjson.loads(line)
+                        yield str(event.get("type")), event.get("object") or {}
+        except aiohttp.ClientError as exc:
+            raise OSError(f"EndpointSlice watch failed: {type(exc).__name__}") from exc
