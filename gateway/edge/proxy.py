@@ -12,7 +12,6 @@ import itertools
 import logging
 import time
 import uuid
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,7 +157,6 @@ class Proxy:
         self._upstream = upstream
         self._pool = pool
         self._observers = tuple(observers)
-        self._slot_waiters: deque[asyncio.Future[None]] = deque()
         self._ids = _RequestIds()
         self.inflight = 0
         self.budget = InspectionBudget(settings.max_inspecting)
@@ -412,42 +410,6 @@ class Proxy:
 
     # -- forwarding ----------------------------------------------------------------------
 
-    async def _acquire(
-        self, s: ProxySettings, tried: list[Backend], key: str | None
-    ) -> Backend | None:
-        """A backend for the next attempt; if every routable one is at its concurrency cap,
-        wait up to queue_timeout for a slot rather than overload it or fail at once."""
-        pool = self._pool
-        backend = pool.pick(tried, key)
-        if backend is not None or not pool.saturated(tried) or s.queue_timeout <= 0:
-            return backend
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + s.queue_timeout
-        while (remaining := deadline - loop.time()) > 0:
-            waiter: asyncio.Future[None] = loop.create_future()
-            self._slot_waiters.append(waiter)
-            try:
-                async with asyncio.timeout(remaining):
-                    await waiter
-            except TimeoutError:
-                return None
-            finally:
-                if not waiter.done():
-                    waiter.cancel()
-            backend = pool.pick(tried, key)
-            if backend is not None or not pool.saturated(tried):
-                return backend
-        return None
-
-    def _release(self, backend: Backend) -> None:
-        backend.inflight -= 1
-        waiters = self._slot_waiters
-        while waiters:
-            waiter = waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                break
-
     async def _forward(
         self,
         request: web.BaseRequest,
@@ -469,14 +431,13 @@ class Proxy:
         tried: list[Backend] = []
         saturated = False
         while len(tried) < s.attempts:
-            backend = await self._acquire(s, tried, key)
+            backend = await self._pool.acquire(tried, key, s.queue_timeout)
             if backend is None:
                 saturated = self._pool.saturated(tried)
                 break
             tried.append(backend)
             ex.attempts = len(tried)
             ex.backend = backend.url
-            backend.inflight += 1
             try:
                 try:
                     upstream = await self._upstream.request(
@@ -514,7 +475,7 @@ class Proxy:
                 upstream.set_idle_timeout(s.idle_s)
                 return await self._relay(request, upstream, ex)
             finally:
-                self._release(backend)
+                self._pool.release(backend)
         return self._unavailable(ex, route.family, "no_capacity" if saturated else "no_backend")
 
     def _upstream_failed(

@@ -12,13 +12,24 @@ import hashlib
 import itertools
 import random
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
-from gateway.fleet.pool import Backend
+
+class Candidate(Protocol):
+    """What a balancer reads of a backend (fleet.pool.Backend is one)."""
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def inflight(self) -> int: ...
+
+
+C = TypeVar("C", bound=Candidate)
 
 
 class Balancer(Protocol):
-    def choose(self, candidates: Sequence[Backend], key: str | None) -> Backend: ...
+    def choose(self, candidates: Sequence[C], key: str | None) -> C: ...
 
     def set_members(self, urls: Sequence[str]) -> None:
         """Told the whole membership (not just the candidates) whenever it changes."""
@@ -30,7 +41,7 @@ class RoundRobin:
     def __init__(self, seed: int | None = None) -> None:
         self._counter = itertools.count(seed or 0)
 
-    def choose(self, candidates: Sequence[Backend], key: str | None) -> Backend:
+    def choose(self, candidates: Sequence[C], key: str | None) -> C:
         return candidates[next(self._counter) % len(candidates)]
 
     def set_members(self, urls: Sequence[str]) -> None:
@@ -48,7 +59,7 @@ class LeastInflight:
     def __init__(self, seed: int | None = None) -> None:
         self._counter = itertools.count(seed or 0)
 
-    def choose(self, candidates: Sequence[Backend], key: str | None) -> Backend:
+    def choose(self, candidates: Sequence[C], key: str | None) -> C:
         n = len(candidates)
         start = next(self._counter) % n
         best = candidates[start]
@@ -71,7 +82,7 @@ class PowerOfTwo:
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
 
-    def choose(self, candidates: Sequence[Backend], key: str | None) -> Backend:
+    def choose(self, candidates: Sequence[C], key: str | None) -> C:
         n = len(candidates)
         if n == 1:
             return candidates[0]
@@ -115,10 +126,10 @@ class ConsistentHash:
         self._points = [p for p, _ in ring]
         self._urls = [u for _, u in ring]
 
-    def choose(self, candidates: Sequence[Backend], key: str | None) -> Backend:
+    def choose(self, candidates: Sequence[C], key: str | None) -> C:
         if key is None or not self._points:
             return self._fallback.choose(candidates, None)
-        by_url = {b.url: b for b in candidates}
+        by_url = {c.url: c for c in candidates}
         n = len(self._points)
         start = bisect.bisect(self._points, _hash(key))
         for step in range(n):

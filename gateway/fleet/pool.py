@@ -8,15 +8,15 @@ outcomes in, the pool decides.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from gateway.fleet.balancers import Balancer
+from gateway.fleet.balancers import Balancer
 
 log = logging.getLogger("gateway.fleet.pool")
 
@@ -95,6 +95,7 @@ class BackendPool:
         self._balancer = balancer
         self._policy = policy
         self._clock = clock
+        self._slot_waiters: deque[asyncio.Future[None]] = deque()
         self.update(urls)
 
     # -- membership ----------------------------------------------------------------------
@@ -132,7 +133,15 @@ class BackendPool:
         self._balancer = balancer
         self._policy = policy
 
-    # -- selection -----------------------------------------------------------------------
+    # -- selection and capacity ----------------------------------------------------------
+
+    def routable(self, b: Backend, now: float) -> bool:
+        """May take traffic at `now` (concurrency aside): not failed by probes, not ejected.
+        The one rule pick, saturation, readiness and the metrics all read."""
+        return b.health is not Health.UNHEALTHY and b.ejected_until <= now
+
+    def now(self) -> float:
+        return self._clock()
 
     def pick(self, exclude: Sequence[Backend] = (), key: str | None = None) -> Backend | None:
         """A routable backend below its concurrency cap, or None."""
@@ -141,10 +150,7 @@ class BackendPool:
         candidates = [
             b
             for b in self.backends
-            if b.health is not Health.UNHEALTHY
-            and b.ejected_until <= now
-            and (cap is None or b.inflight < cap)
-            and b not in exclude
+            if self.routable(b, now) and (cap is None or b.inflight < cap) and b not in exclude
         ]
         if not candidates:
             return None
@@ -158,10 +164,53 @@ class BackendPool:
         if self._policy.max_inflight is None:
             return False
         now = self._clock()
-        return any(
-            b.health is not Health.UNHEALTHY and b.ejected_until <= now and b not in exclude
-            for b in self.backends
-        )
+        return any(self.routable(b, now) and b not in exclude for b in self.backends)
+
+    async def acquire(
+        self, exclude: Sequence[Backend], key: str | None, wait_s: float
+    ) -> Backend | None:
+        """Take a slot on a backend for the next attempt: picked and counted in flight.
+
+        If every routable backend is at its concurrency cap, wait up to `wait_s` for a slot
+        rather than overload one or fail at once; None when there is none to have.
+        """
+        backend = self.pick(exclude, key)
+        if backend is None and self.saturated(exclude) and wait_s > 0:
+            backend = await self._wait_for_slot(exclude, key, wait_s)
+        if backend is not None:
+            backend.inflight += 1
+        return backend
+
+    async def _wait_for_slot(
+        self, exclude: Sequence[Backend], key: str | None, wait_s: float
+    ) -> Backend | None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while (remaining := deadline - loop.time()) > 0:
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._slot_waiters.append(waiter)
+            try:
+                async with asyncio.timeout(remaining):
+                    await waiter
+            except TimeoutError:
+                return None
+            finally:
+                if not waiter.done():
+                    waiter.cancel()
+            backend = self.pick(exclude, key)
+            if backend is not None or not self.saturated(exclude):
+                return backend
+        return None
+
+    def release(self, backend: Backend) -> None:
+        """The attempt on `backend` ended: free its slot and wake one waiter."""
+        backend.inflight -= 1
+        waiters = self._slot_waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                break
 
     @property
     def ready(self) -> bool:
@@ -169,7 +218,10 @@ class BackendPool:
         be broken) and is not ejected."""
         now = self._clock()
         ok = (Health.HEALTHY,) if self._policy.probes else (Health.HEALTHY, Health.UNKNOWN)
-        return any(b.health in ok and b.ejected_until <= now for b in self.backends)
+        return any(b.health in ok and self.routable(b, now) for b in self.backends)
+
+    def ejected(self, b: Backend) -> bool:
+        return b.ejected_until > self._clock()
 
     # -- outcomes ----------------------------------------------------------------------
 

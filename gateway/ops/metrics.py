@@ -14,7 +14,6 @@ output too instead of lingering as a stale series.
 from __future__ import annotations
 
 import bisect
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Final, Protocol
 
@@ -152,13 +151,13 @@ class _BackendCollector(Collector):
         families = self._families()
         members, healthy, state, ejected, inflight = families
         counts = dict.fromkeys((h.value for h in Health), 0)
-        now = time.monotonic()  # the pool's clock (BackendPool's default)
-        for b in self._pool.backends:
+        pool = self._pool
+        for b in pool.backends:
             counts[b.health.value] += 1
             healthy.add_metric([b.url], 0.0 if b.health is Health.UNHEALTHY else 1.0)
             for h in Health:
                 state.add_metric([b.url, h.value], 1.0 if b.health is h else 0.0)
-            ejected.add_metric([b.url], 1.0 if b.ejected_until > now else 0.0)
+            ejected.add_metric([b.url], 1.0 if pool.ejected(b) else 0.0)
             inflight.add_metric([b.url], float(b.inflight))
         for name, n in counts.items():
             members.add_metric([name], float(n))
