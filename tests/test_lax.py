@@ -1,4 +1,4 @@
-"""Truth tables for SGLang's lax readings of JSON values (sglang-contract.md sections 2 and 5).
+"""Truth tables for SGLang's lax readings of JSON values (docs/sglang-contract.md sections 2 and 5).
 
 `lax_bool` must agree with pydantic's lax bool exactly: pydantic is what SGLang uses, and it is
 installed here, so every row is also checked against it. `lax_int` may only ever be stricter.

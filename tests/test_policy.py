@@ -1,4 +1,4 @@
-"""Truth tables for the gateway's sampling-mask policy (sglang-contract.md section 8).
+"""Truth tables for the gateway's sampling-mask policy (docs/sglang-contract.md section 8).
 
 Every expectation here is read from the contract, not from the implementation:
   rule 1: a body orjson cannot read, a non-object top level, a request Content-Encoding or a
@@ -44,7 +44,7 @@ PARALLEL = Rejection(400, "sampling_mask", "parallel_mask_list", PARALLEL_LIST_M
 
 
 def bad_top_k(k: int) -> Rejection:
-    """SGLang's SamplingParams.verify() message (sglang-contract.md section 2)."""
+    """SGLang's SamplingParams.verify() message (docs/sglang-contract.md section 2)."""
     return Rejection(
         400, "sampling_mask", "invalid_top_k", f"top_k must be -1 (disable) or at least 1, got {k}."
     )

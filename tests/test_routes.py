@@ -1,4 +1,4 @@
-"""Path classification as SGLang's router sees it (sglang-contract.md sections 1 and 7).
+"""Path classification as SGLang's router sees it (docs/sglang-contract.md sections 1 and 7).
 
 Starlette matches the once-percent-decoded path and redirects trailing slashes away, so every
 spelling it would serve as a generation route must be classified (and inspected) as one here.

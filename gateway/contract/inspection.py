@@ -1,6 +1,6 @@
 """Read an inspected request once and decide: forward the original bytes, or reject.
 
-The chain is short and ordered, and the first rejection wins (sglang-contract.md s.8):
+The chain is short and ordered, and the first rejection wins (docs/sglang-contract.md s.8):
   1. headers: a request Content-Encoding or a non-JSON media type is refused (415);
   2. body: read once, exactly as orjson (SGLang's own parser) reads it; anything orjson
      cannot read, or a top level that is not an object, is refused (400): a body the gateway

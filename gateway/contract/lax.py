@@ -1,4 +1,4 @@
-"""SGLang's lax readings of JSON values (pydantic v2 lax mode, sglang-contract.md section 5).
+"""SGLang's lax readings of JSON values (pydantic v2 lax mode, docs/sglang-contract.md section 5).
 
 The gateway decides "mask requested" and "top_k" by reading a value the way SGLang will,
 never more charitably: a spelling SGLang reads as on must read as on here too.

@@ -1,4 +1,4 @@
-"""The sampling-mask contract (sglang-contract.md section 8), as plain functions.
+"""The sampling-mask contract (docs/sglang-contract.md section 8), as plain functions.
 
 No I/O and no HTTP library here: the proxy hands in the route kind and the parsed body,
 and gets back None (forward the original bytes) or a `Rejection` to answer with.
@@ -274,7 +274,7 @@ def _truthy(value: object, field: str) -> bool:
 
 
 def _batch_size(body: Mapping[str, Any], *, raw: bool = False) -> int | None:
-    """Items in a /generate batch, or None for a single request (sglang-contract.md s.4).
+    """Items in a /generate batch, or None for a single request (docs/sglang-contract.md s.4).
 
     Like SGLang's `_determine_batch_size`, the first of text, input_ids, input_embeds that is
     not null decides alone: a batch-shaped input_embeds next to a string text is a single

@@ -2,7 +2,7 @@
 
 Clients of SGLang parse its error bodies (the openai SDK reads `message` from the OpenAI
 shape; RL workers read `error.message` from /generate), so a reply from the gateway must
-look exactly like one from SGLang (sglang-contract.md section 6). Messages never name a
+look exactly like one from SGLang (docs/sglang-contract.md section 6). Messages never name a
 backend address or carry exception text from inside the gateway.
 """
 

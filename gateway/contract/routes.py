@@ -27,7 +27,7 @@ class Kind(enum.Enum):
 
 
 class Family(enum.Enum):
-    """The error-body shape SGLang uses on a route (sglang-contract.md section 6)."""
+    """The error-body shape SGLang uses on a route (docs/sglang-contract.md section 6)."""
 
     GENERATE = "generate"  # {"error": {"message": ...}}
     OPENAI = "openai"  # {"object": "error", "message", "type", "param", "code"}

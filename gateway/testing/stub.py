@@ -1,6 +1,6 @@
 """A stub backend that speaks SGLang 0.5.19's HTTP surface, for tests and local runs.
 
-It reproduces the shapes the gateway cares about (see shared/sglang-contract.md): generation
+It reproduces the shapes the gateway cares about (see docs/sglang-contract.md): generation
 responses, error bodies, SSE streams written event by event, and SGLang's own sampling-mask
 admission rule, coded independently of the gateway so that the two can check each other.
 Faults are scripted per request with ``X-Stub-*`` headers or per instance with attributes.
