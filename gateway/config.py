@@ -208,7 +208,7 @@ class LimitsConfig(_Model):
     max_inspecting_bytes: Annotated[int, Field(ge=16 << 20, le=1 << 40)] = 256 << 20
     # Client connections held at once; more are answered 503 and closed at once, so the
     # process keeps descriptors for its backends and its own probes. None: half of the
-    # descriptor limit (RLIMIT_NOFILE) left after a reserve of 64 (gateway/resources.py).
+    # descriptor limit (RLIMIT_NOFILE) left after a reserve of 64 (gateway/runtime.py).
     max_client_connections: Annotated[int, Field(ge=1)] | None = None
 
 

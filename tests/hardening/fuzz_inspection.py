@@ -1,7 +1,7 @@
 """Coverage-guided fuzzing of the request inspection, checked against the SGLang model.
 
 Run it through `scripts/fuzz.sh [seconds]`. Invariants, for every input:
-1. `gateway.inspection.inspect_body` (headers: `check_headers`) never raises;
+1. `gateway.contract.inspection.inspect_body` (headers: `check_headers`) never raises;
 2. it never returns "forward" (None) for a body that SGLang, per tests/sglang_model.py,
    would run with the mask on and an unbounded top_k.
 
