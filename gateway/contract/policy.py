@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, assert_never
 
 from gateway.contract.lax import Invalid, is_greedy, lax_bool, lax_int, plain_int
 from gateway.contract.routes import Kind
@@ -110,17 +110,23 @@ class MaskPolicy:
     def check(self, kind: Kind, body: Mapping[str, Any]) -> Rejection | None:
         """Apply the contract to a parsed body of a route of the given kind."""
         try:
-            if kind is Kind.GENERATE:
-                return self._check_generate(body, batch_size=_batch_size(body))
-            if kind is Kind.VERTEX:
-                return self._check_vertex(body)
-            if kind is Kind.CHAT:
-                return self._check_openai(body, chat=True)
-            if kind is Kind.COMPLETIONS or kind is Kind.RESPONSES:
-                return self._check_openai(body, chat=False)
+            # Every kind is named: a new one fails the type check here instead of falling
+            # through to "forward unchecked".
+            match kind:
+                case Kind.GENERATE:
+                    return self._check_generate(body, batch_size=_batch_size(body))
+                case Kind.VERTEX:
+                    return self._check_vertex(body)
+                case Kind.CHAT:
+                    return self._check_openai(body, chat=True)
+                case Kind.COMPLETIONS | Kind.RESPONSES:
+                    return self._check_openai(body, chat=False)
+                case Kind.PASSTHROUGH:
+                    return None  # never inspected: the route table forwards it as it is
+                case _:
+                    assert_never(kind)
         except Invalid as exc:
             return _invalid(exc)
-        return None
 
     # -- /generate -------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ backend address or carry exception text from inside the gateway.
 
 from __future__ import annotations
 
+import enum
 from typing import Final
 
 import orjson
@@ -60,3 +61,24 @@ def render_rejection(family: Family, rejection: Rejection) -> bytes:
 
 NOT_FOUND: Final = orjson.dumps({"detail": "Not Found"})
 METHOD_NOT_ALLOWED: Final = orjson.dumps({"detail": "Method Not Allowed"})
+
+
+class Outcome(enum.StrEnum):
+    """What became of a request: the access log's `outcome` and the metrics' label.
+
+    A refusal is REJECTED together with the rule that refused it (Exchange.rejected_by),
+    written `rejected:<rule>`; every other value is written as it is.
+    """
+
+    OK = "ok"
+    REJECTED = "rejected"
+    NOT_FOUND = "not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    NO_BACKEND = "no_backend"
+    NO_CAPACITY = "no_capacity"
+    GATEWAY_OVERLOADED = "gateway_overloaded"
+    UPSTREAM_ERROR = "upstream_error"
+    UPSTREAM_TIMEOUT = "upstream_timeout"
+    UPSTREAM_BROKEN = "upstream_broken"
+    CLIENT_DISCONNECT = "client_disconnect"
+    GATEWAY_ERROR = "gateway_error"

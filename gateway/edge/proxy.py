@@ -25,6 +25,7 @@ from gateway.config import GatewayConfig, header_safe
 from gateway.contract import replies as errors
 from gateway.contract.inspection import check_headers, inspect_body
 from gateway.contract.policy import MaskPolicy, Rejection
+from gateway.contract.replies import Outcome
 from gateway.contract.routes import Family, Route, RouteTable, canonical_path
 from gateway.contract.skim import SKIM_MIN_BODY
 from gateway.edge.admission import inspect_large
@@ -190,11 +191,11 @@ class Proxy:
         except asyncio.CancelledError:
             # The client went away (handler cancellation); the upstream request, if any,
             # was closed on the way out so SGLang aborts the generation.
-            ex.outcome = "client_disconnect"
+            ex.outcome = Outcome.CLIENT_DISCONNECT
             ex.status = ex.status or 499
             raise
         except ConnectionError:
-            ex.outcome = "client_disconnect"  # the client's socket broke under a write
+            ex.outcome = Outcome.CLIENT_DISCONNECT  # the client's socket broke under a write
             ex.status = ex.status or 499
             raise
         except Exception as exc:
@@ -206,7 +207,7 @@ class Proxy:
                 raise  # a reply is already under way: aiohttp drops the connection
             family = route.family if route is not None else Family.PLAIN
             body = errors.render(family, 500, "The gateway failed to handle the request.")
-            return self._reply(ex, 500, body, "gateway_error", close=True)
+            return self._reply(ex, 500, body, Outcome.GATEWAY_ERROR, close=True)
         finally:
             self.inflight -= 1
             if self._idle is not None and not self.inflight:
@@ -230,9 +231,9 @@ class Proxy:
             if denied is not None:
                 return denied
         if route is None:
-            return self._reply(ex, 404, errors.NOT_FOUND, "not_found")
+            return self._reply(ex, 404, errors.NOT_FOUND, Outcome.NOT_FOUND)
         if request.method not in route.methods:
-            resp = self._reply(ex, 405, errors.METHOD_NOT_ALLOWED, "method_not_allowed")
+            resp = self._reply(ex, 405, errors.METHOD_NOT_ALLOWED, Outcome.METHOD_NOT_ALLOWED)
             resp.headers["Allow"] = ", ".join(sorted(route.methods))
             return resp
 
@@ -374,7 +375,7 @@ class Proxy:
     # -- gateway-made replies ----------------------------------------------------------
 
     def _reply(
-        self, ex: Exchange, status: int, body: bytes, outcome: str, *, close: bool = False
+        self, ex: Exchange, status: int, body: bytes, outcome: Outcome, *, close: bool = False
     ) -> web.Response:
         ex.status = status
         ex.outcome = outcome
@@ -394,13 +395,14 @@ class Proxy:
         ex.reason = rejection.reason
         if rejection.detail:
             ex.detail = rejection.detail
-        return self._reply(ex, rejection.status, body, f"rejected:{rejection.policy}", close=close)
+        ex.rejected_by = rejection.policy
+        return self._reply(ex, rejection.status, body, Outcome.REJECTED, close=close)
 
-    def _unavailable(self, ex: Exchange, family: Family, outcome: str) -> web.Response:
+    def _unavailable(self, ex: Exchange, family: Family, outcome: Outcome) -> web.Response:
         status = 503
-        if outcome == "no_capacity":
+        if outcome is Outcome.NO_CAPACITY:
             message = "All backends are at their concurrency limit; retry later."
-        elif outcome == "gateway_overloaded":
+        elif outcome is Outcome.GATEWAY_OVERLOADED:
             message = "The gateway is out of resources for new upstream connections; retry later."
         else:
             message = "No healthy backend is available; retry later."
@@ -456,19 +458,19 @@ class Proxy:
                         # backend would eject healthy ones in turn; another would fare no better.
                         log.warning("request %s: cannot connect upstream: %s", ex.request_id, exc)
                         ex.detail = f"local resource: {exc.cause}"
-                        return self._unavailable(ex, route.family, "gateway_overloaded")
+                        return self._unavailable(ex, route.family, Outcome.GATEWAY_OVERLOADED)
                     # Nothing reached the backend: safe to try another one.
                     self._pool.connect_failed(backend, exc.cause)
                     ex.connect_failed = (*ex.connect_failed, backend.url)
                     ex.detail = f"connect failed: {exc.cause}"
                     continue
                 except TimeoutError:
-                    return self._upstream_failed(ex, route.family, 504, "upstream_timeout")
+                    return self._upstream_failed(ex, route.family, 504, Outcome.UPSTREAM_TIMEOUT)
                 except (UpstreamBroken, aiohttp.ClientError, HttpProcessingError) as exc:
                     # The request went out and the backend dropped it: never replay a
                     # generation that may have started.
                     ex.detail = type(exc).__name__
-                    return self._upstream_failed(ex, route.family, 502, "upstream_error")
+                    return self._upstream_failed(ex, route.family, 502, Outcome.UPSTREAM_ERROR)
                 self._pool.response(backend, upstream.status)
                 # Headers are in: from now on bound the silence between chunks, not the
                 # (much longer) wait for the first byte.
@@ -476,10 +478,12 @@ class Proxy:
                 return await self._relay(request, upstream, ex)
             finally:
                 self._pool.release(backend)
-        return self._unavailable(ex, route.family, "no_capacity" if saturated else "no_backend")
+        return self._unavailable(
+            ex, route.family, Outcome.NO_CAPACITY if saturated else Outcome.NO_BACKEND
+        )
 
     def _upstream_failed(
-        self, ex: Exchange, family: Family, status: int, outcome: str
+        self, ex: Exchange, family: Family, status: int, outcome: Outcome
     ) -> web.Response:
         message = (
             "The backend did not answer in time."
@@ -511,7 +515,7 @@ class Proxy:
             except ConnectionError:
                 # The client left while the backend was preparing its answer: nothing to
                 # send; the upstream is closed below so SGLang aborts the generation.
-                ex.outcome = "client_disconnect"
+                ex.outcome = Outcome.CLIENT_DISCONNECT
                 return resp
             content = upstream.content
             while True:
@@ -524,7 +528,7 @@ class Proxy:
                 ) as exc:
                     # The backend broke off mid-body. Abort the client's connection so the
                     # truncation is visible (no final chunk, short Content-Length).
-                    ex.outcome = "upstream_broken"
+                    ex.outcome = Outcome.UPSTREAM_BROKEN
                     ex.detail = type(exc).__name__
                     if request.transport is not None:
                         request.transport.abort()
@@ -538,7 +542,7 @@ class Proxy:
                         break
                     await resp.write(chunk)
                 except ConnectionError:
-                    ex.outcome = "client_disconnect"
+                    ex.outcome = Outcome.CLIENT_DISCONNECT
                     return resp
                 # Counted as it goes: a client that leaves cancels this handler mid-loop.
                 ex.bytes_out += len(chunk)

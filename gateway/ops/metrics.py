@@ -28,6 +28,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from gateway.contract.replies import Outcome
 from gateway.fleet.pool import BackendPool, Health
 from gateway.ops.observe import Exchange
 
@@ -59,7 +60,9 @@ _METHODS: Final = frozenset(
     {"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "CONNECT", "TRACE"}
 )
 # Outcomes that are a failure of the backend (as opposed to the client or the gateway).
-_UPSTREAM_FAILURES: Final = frozenset({"upstream_error", "upstream_timeout", "upstream_broken"})
+_UPSTREAM_FAILURES: Final = frozenset(
+    {Outcome.UPSTREAM_ERROR, Outcome.UPSTREAM_TIMEOUT, Outcome.UPSTREAM_BROKEN}
+)
 
 
 def _status_class(status: int) -> str:
@@ -298,10 +301,10 @@ class Metrics(Collector):
         route = (ex.route,)
         outcome = ex.outcome
         self.requests.inc((ex.route, _method(ex.method), _status_class(ex.status)))
-        self.outcomes.inc((outcome,))
-        if outcome.startswith("rejected:"):
-            self.rejections.inc((outcome[9:], ex.reason))
-        elif outcome == "client_disconnect":
+        self.outcomes.inc((ex.outcome_label,))
+        if outcome is Outcome.REJECTED:
+            self.rejections.inc((ex.rejected_by, ex.reason))
+        elif outcome is Outcome.CLIENT_DISCONNECT:
             self.client_disconnects.inc(("waiting" if ex.first_byte is None else "streaming",))
         if ex.log_only:
             self.log_only_rejections.inc((ex.log_only, ex.reason))
@@ -313,7 +316,7 @@ class Metrics(Collector):
         if ex.backend and ex.attempts > len(ex.connect_failed):
             self.upstream_attempts.inc((ex.backend,))
             if outcome in _UPSTREAM_FAILURES:
-                self.upstream_errors.inc((ex.backend, outcome))
+                self.upstream_errors.inc((ex.backend, outcome.value))
         if ex.first_byte is not None:
             self.ttfb.observe(route, ex.first_byte - ex.started)
         if ex.finished is not None:

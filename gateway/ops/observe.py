@@ -15,6 +15,8 @@ from typing import Protocol
 
 import orjson
 
+from gateway.contract.replies import Outcome
+
 access_log = logging.getLogger("gateway.access")
 
 
@@ -25,8 +27,9 @@ class Exchange:
     route: str  # canonical route path, or "unmatched": bounded, safe as a metric label
     started: float = field(default_factory=time.perf_counter)
     status: int = 0
-    outcome: str = "ok"  # ok | rejected:<policy> | no_backend | upstream_error | ...
-    reason: str = ""  # the rejecting policy's reason label, when rejected
+    outcome: Outcome = Outcome.OK
+    rejected_by: str = ""  # the rule that refused it, when the outcome is REJECTED
+    reason: str = ""  # the rejecting rule's reason label, when rejected
     log_only: str = ""  # a policy in log_only mode that would have rejected (then: reason)
     detail: str = ""  # internal detail for the log only, never sent to the client
     backend: str = ""
@@ -36,6 +39,13 @@ class Exchange:
     bytes_out: int = 0
     first_byte: float | None = None  # perf_counter when upstream headers arrived
     finished: float | None = None
+
+    @property
+    def outcome_label(self) -> str:
+        """`rejected:<rule>` for a refusal, else the outcome's name."""
+        if self.outcome is Outcome.REJECTED:
+            return f"rejected:{self.rejected_by}"
+        return self.outcome.value
 
 
 class Observer(Protocol):
@@ -62,7 +72,7 @@ class AccessLog:
                 "method": ex.method,
                 "route": ex.route,
                 "status": ex.status,
-                "outcome": ex.outcome,
+                "outcome": ex.outcome_label,
                 "reason": ex.reason or None,
                 "backend": ex.backend or None,
                 "attempts": ex.attempts,
@@ -85,7 +95,7 @@ class AccessLog:
                 ex.method,
                 ex.route,
                 ex.status,
-                ex.outcome,
+                ex.outcome_label,
                 ex.reason or "-",
                 ex.backend or "-",
                 ex.attempts,
