@@ -420,3 +420,29 @@ async def test_cli_prints_bound_port() -> None:
     finally:
         proc.terminate()
         assert await asyncio.wait_for(proc.wait(), timeout=10) == 0
+
+
+async def test_a_long_lived_stub_remembers_a_bounded_number_of_requests() -> None:
+    stub = StubBackend(keep=5, keep_body_bytes=10)
+    await stub.start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            for i in range(20):
+                body = orjson.dumps({"text": "x" * (100 + i), "sampling_params": {"top_k": 2}})
+                async with s.post(stub.url + "/generate", data=body) as r:
+                    assert r.status == 200
+                    count = r.headers["X-Stub-Request-Count"]
+        assert count == "20" and stub.requests_seen == 20 and stub.generations_seen == 20
+        assert len(stub.received) == 5
+        assert all(len(r.body) == 10 for r in stub.received)
+        # The digest is still of the whole body, so forwarding stays checkable.
+        assert stub.received[-1].sha256 == hashlib.sha256(body).hexdigest()
+    finally:
+        await stub.stop()
+
+
+def test_the_stub_cli_keeps_little_by_default() -> None:
+    from gateway.testing.stub import _parse_args
+
+    args = _parse_args([])
+    assert (args.keep, args.keep_body_bytes) == (1000, 4096)

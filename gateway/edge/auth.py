@@ -30,9 +30,6 @@ class ApiKeys:
     def __init__(self, keys: Iterable[str]) -> None:
         self._digests = tuple(_digest(k) for k in keys)
 
-    def __len__(self) -> int:
-        return len(self._digests)
-
     def check(self, authorization: str | None) -> str | None:
         """None if the header carries a valid key, else a short reason label."""
         if not authorization:

@@ -4,6 +4,15 @@ It reproduces the shapes the gateway cares about (see docs/sglang-contract.md): 
 responses, error bodies, SSE streams written event by event, and SGLang's own sampling-mask
 admission rule, coded independently of the gateway so that the two can check each other.
 Faults are scripted per request with ``X-Stub-*`` headers or per instance with attributes.
+
+Its lax readings only approximate SGLang's: `_lax_bool` and `_lax_int` read the same values
+on every route, where SGLang is lax on chat only (pydantic) and reads `/generate` fields
+with Python truthiness and `SamplingParams.verify()`; they do not reject every value pydantic
+rejects (a float string as an int), and no 0.5.23 strict schema. The faithful model of how
+SGLang reads a request is `tests/sglang_model.py`, which the differential tests use; the
+stub is for serving traffic, not for judging the gateway's reading.
+A long-lived stub (compose, `sglang-gateway stub`) remembers only its last `--keep` requests,
+each body cut to `--keep-body-bytes`, so its memory stays bounded.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ import hashlib
 import itertools
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -296,6 +306,8 @@ class StubBackend:
         drop: str | None = None,
         health_status: int = 200,
         idle_close_s: float | None = None,
+        keep: int | None = None,
+        keep_body_bytes: int | None = None,
     ) -> None:
         self.model = model
         self.version = version
@@ -305,7 +317,12 @@ class StubBackend:
         self.drop = drop
         self.health_status = health_status
         self.idle_close_s = idle_close_s
-        self.received: list[Received] = []
+        # The requests seen, newest last. A long-lived stub (compose, the CLI) keeps only the
+        # last `keep`, each body cut to `keep_body_bytes`; tests keep everything.
+        self.received: deque[Received] = deque(maxlen=keep)
+        self._keep_body_bytes = keep_body_bytes
+        self.requests_seen = 0
+        self.generations_seen = 0
         self.completed = 0
         self.cancelled = 0
         self.dropped = 0
@@ -393,10 +410,13 @@ class StubBackend:
             body = await request.read()
             digest = hashlib.sha256(body).hexdigest()
             headers = CIMultiDictProxy(CIMultiDict(request.headers))
+            kept = body if self._keep_body_bytes is None else body[: self._keep_body_bytes]
             self.received.append(
-                Received(request.method, request.path, request.raw_path, headers, body, digest)
+                Received(request.method, request.path, request.raw_path, headers, kept, digest)
             )
-            ctx = _Ctx(index=len(self.received), sha256=digest, started=time.monotonic())
+            self.requests_seen += 1
+            self.generations_seen += generation
+            ctx = _Ctx(index=self.requests_seen, sha256=digest, started=time.monotonic())
             request[_CTX] = ctx
             response = await self._dispatch(request, handler, ctx)
         except (asyncio.CancelledError, ConnectionResetError) as exc:
@@ -733,7 +753,7 @@ class StubBackend:
             "# TYPE sglang:generation_tokens_total counter",
             f"sglang:generation_tokens_total{label} {float(self._generated_tokens)}",
             "# TYPE sglang:num_requests_total counter",
-            f"sglang:num_requests_total{label} {float(len(self.generation_requests()))}",
+            f"sglang:num_requests_total{label} {float(self.generations_seen)}",
         ]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
@@ -750,6 +770,15 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chunk-delay-ms", type=int, default=0)
     parser.add_argument("--fail-status", type=int, default=None)
     parser.add_argument("--drop", choices=("before-headers", "mid-body"), default=None)
+    parser.add_argument(
+        "--keep", type=int, default=1000, help="requests remembered (the newest; default 1000)"
+    )
+    parser.add_argument(
+        "--keep-body-bytes",
+        type=int,
+        default=4096,
+        help="bytes of each remembered body (default 4096); the sha256 is of the whole body",
+    )
     return parser.parse_args(argv)
 
 
@@ -760,6 +789,8 @@ async def _serve(args: argparse.Namespace) -> None:
         chunk_delay_s=args.chunk_delay_ms / 1000,
         fail_status=args.fail_status,
         drop=args.drop,
+        keep=args.keep,
+        keep_body_bytes=args.keep_body_bytes,
     )
     port = await stub.start(args.host, args.port)
     host = f"[{args.host}]" if ":" in args.host else args.host
