@@ -13,6 +13,7 @@ import aiohttp
 import orjson
 import pytest
 
+from gateway import cli
 from gateway.testing.stub import StubBackend
 from tests.conftest import ROOT, read_match, spawn, start_stub_process
 
@@ -38,12 +39,12 @@ async def test_check_config_prints_the_frozen_config() -> None:
     assert cfg["policy"]["sampling_mask"]["mode"] == "enforce"
 
 
-async def test_example_configs_are_valid() -> None:
+def test_example_configs_are_valid(capsys: pytest.CaptureFixture[str]) -> None:
     files = sorted((ROOT / "config").glob("*.yaml"))
     assert files
     for path in files:
-        code, _, err = await run_cli("--check-config", "--config", str(path))
-        assert code == 0, (path, err)
+        code = cli.main(["--check-config", "--config", str(path)])
+        assert code == 0, (path, capsys.readouterr().err)
 
 
 @pytest.mark.parametrize(
@@ -70,12 +71,14 @@ async def test_example_configs_are_valid() -> None:
         ("backends: {static: [http://a:1]\n", r"not valid YAML"),
     ],
 )
-async def test_bad_config_exits_2_with_path_value_and_reason(
-    tmp_path: Path, yaml_text: str, expected: str
+def test_bad_config_exits_2_with_path_value_and_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], yaml_text: str, expected: str
 ) -> None:
+    """In-process: the CLI's own entry point, its exit code and what it prints."""
     cfg = tmp_path / "gw.yaml"
     cfg.write_text(yaml_text)
-    code, _, err = await run_cli("--config", str(cfg), "--check-config")
+    code = cli.main(["--config", str(cfg), "--check-config"])
+    err = capsys.readouterr().err
     assert code == 2
     assert re.search(expected, err), err
 
