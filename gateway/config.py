@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from gateway.contract.policy import TOP_K_ALL
+from gateway.contract.lax import TOP_K_ALL
 from gateway.contract.routes import GENERATION_ROUTES, canonical_path
 
 

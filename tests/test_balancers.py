@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 
 from gateway.fleet.balancers import BALANCERS, ConsistentHash
-from gateway.fleet.pool import Backend, BackendPool, Health, PassivePolicy, PoolPolicy
+from gateway.fleet.pool import Backend, BackendPool, EjectionRules, Health, PoolRules
 
 URLS = [f"http://10.0.0.{i}:30000" for i in range(1, 6)]
 
@@ -103,7 +103,7 @@ def test_passive_ejection_backs_off_and_4xx_never_counts() -> None:
     pool = BackendPool(
         URLS[:2],
         BALANCERS["round_robin"](None),
-        PoolPolicy(passive=PassivePolicy(consecutive_5xx=3, base_eject_s=2, max_eject_s=10)),
+        PoolRules(passive=EjectionRules(consecutive_5xx=3, base_eject_s=2, max_eject_s=10)),
         clock=lambda: now[0],
     )
     a, b = pool.backends
@@ -126,7 +126,7 @@ def test_passive_ejection_backs_off_and_4xx_never_counts() -> None:
 
 
 def test_concurrency_cap_and_saturation() -> None:
-    pool = BackendPool(URLS[:2], BALANCERS["least_inflight"](None), PoolPolicy(max_inflight=2))
+    pool = BackendPool(URLS[:2], BALANCERS["least_inflight"](None), PoolRules(max_inflight=2))
     for b in pool.backends:
         b.inflight = 2
     assert pool.pick() is None

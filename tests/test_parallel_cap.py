@@ -8,12 +8,12 @@ import aiohttp
 import orjson
 import pytest
 
-from gateway.contract.policy import MaskPolicy
+from gateway.contract.policy import AdmissionRules, ParallelSampleCap
 from gateway.contract.routes import Kind
 from gateway.testing.stub import StubBackend
 from tests.conftest import GatewayFactory, gw_url
 
-CAP = MaskPolicy(max_n=16)
+CAP = AdmissionRules(samples=ParallelSampleCap(16))
 
 
 @pytest.mark.parametrize(
@@ -42,16 +42,16 @@ def test_cap_truth_table(kind: Kind, body: dict[str, Any], refused: bool) -> Non
     rejection = CAP.check(kind, body)
     if refused:
         assert rejection is not None
-        assert (rejection.status, rejection.policy, rejection.reason) == (
+        assert (rejection.status, rejection.rule, rejection.reason) == (
             400,
             "parallel_sampling",
             "n_too_large",
         )
         assert "at most 16" in rejection.message
     else:
-        assert rejection is None or rejection.policy != "parallel_sampling"
+        assert rejection is None or rejection.rule != "parallel_sampling"
     if refused:
-        assert MaskPolicy().check(kind, body) is None  # without the cap nothing refuses it
+        assert AdmissionRules().check(kind, body) is None  # without the cap nothing refuses it
 
 
 async def test_cap_through_the_gateway(

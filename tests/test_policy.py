@@ -30,8 +30,9 @@ from gateway.contract.policy import (
     SHAPE_ONLY,
     STREAM_META_INFO_MESSAGE,
     TOP_K_ALL,
-    MaskPolicy,
+    AdmissionRules,
     Rejection,
+    SamplingMaskRule,
 )
 from gateway.contract.routes import Kind
 
@@ -69,7 +70,7 @@ Expected = Rejection | BadField | Refused | None
 def assert_outcome(actual: Rejection | None, expected: Expected) -> None:
     if isinstance(expected, BadField):
         assert actual is not None, "expected a validation 400, got forwarded"
-        assert (actual.status, actual.policy, actual.validation) == (400, "request_body", True)
+        assert (actual.status, actual.rule, actual.validation) == (400, "request_body", True)
         assert expected.field in actual.message, actual.message
     elif isinstance(expected, Refused):
         assert actual is not None, "expected a 400, got forwarded"
@@ -78,7 +79,7 @@ def assert_outcome(actual: Rejection | None, expected: Expected) -> None:
         assert actual == expected
 
 
-POLICY = MaskPolicy()
+POLICY = AdmissionRules()
 
 
 class Recording(dict[str, Any]):
@@ -101,7 +102,7 @@ class Recording(dict[str, Any]):
         return super().__contains__(key)
 
 
-def both(kind: Kind, body: dict[str, Any], policy: MaskPolicy = POLICY) -> Rejection | None:
+def both(kind: Kind, body: dict[str, Any], policy: AdmissionRules = POLICY) -> Rejection | None:
     """check() on the parsed body, asserting inspect_body() on its bytes decides the same,
     and that the check read no top-level field the body reader leaves out (policy.READS)."""
     recording = Recording(body)
@@ -530,7 +531,7 @@ def test_passthrough_kind_is_not_inspected() -> None:
 
 # --- an operator-configured default top_k (rule 3) -----------------------------------------------
 
-DEFAULT_20 = MaskPolicy(default_top_k=20)
+DEFAULT_20 = AdmissionRules(mask=SamplingMaskRule(default_top_k=20))
 
 DEFAULT_TOP_K = [
     pytest.param(Kind.CHAT, chat_mask(), None, id="chat-omitted"),
@@ -588,7 +589,7 @@ UNREADABLE = [
 def test_inspect_body_unreadable(kind: Kind, raw: bytes, reason: str) -> None:
     rejection = inspect_body(kind, raw, POLICY)
     assert rejection is not None
-    assert (rejection.status, rejection.policy, rejection.reason) == (400, "request_body", reason)
+    assert (rejection.status, rejection.rule, rejection.reason) == (400, "request_body", reason)
     assert rejection.validation is True
     assert rejection.message
 
@@ -685,7 +686,7 @@ def test_check_headers(
         assert rejection is None
     else:
         assert rejection is not None
-        assert (rejection.status, rejection.policy, rejection.reason) == (
+        assert (rejection.status, rejection.rule, rejection.reason) == (
             415,
             "request_body",
             reason,

@@ -18,13 +18,13 @@ import orjson
 import pytest
 
 from gateway.contract.jsonview import Head
-from gateway.contract.policy import MaskPolicy
+from gateway.contract.policy import AdmissionRules, ParallelSampleCap
 from gateway.contract.routes import Kind
 from gateway.contract.skim import SKIM_MIN_BODY, _valid_slice, skim
 from gateway.edge.admission import inspect_large
 from gateway.edge.budget import InspectionBudget
 
-POLICY = MaskPolicy(max_n=1024)
+POLICY = AdmissionRules(samples=ParallelSampleCap(1024))
 KINDS = [Kind.GENERATE, Kind.VERTEX, Kind.CHAT, Kind.COMPLETIONS, Kind.RESPONSES]
 SHAPE = frozenset({"input_ids", "input_embeds"})
 N = SKIM_MIN_BODY // 2  # elements: bodies land past the threshold

@@ -11,7 +11,7 @@ import pytest
 from gateway.contract.policy import Rejection
 from gateway.contract.replies import render, render_rejection
 from gateway.contract.routes import Family
-from gateway.edge.headers import REQUEST_ID, ForwardingPolicy
+from gateway.edge.headers import REQUEST_ID, ForwardedHeaders
 from gateway.fleet.discovery import slice_urls
 
 # -- discovery: EndpointSlice -> backend URLs ---------------------------------------------------
@@ -92,7 +92,7 @@ def test_forwarded_for_and_proto(
     forwarded_for: str,
     proto: str,
 ) -> None:
-    out = ForwardingPolicy(trusted).upstream(incoming, peer=peer, scheme="http", request_id="r")
+    out = ForwardedHeaders(trusted).upstream(incoming, peer=peer, scheme="http", request_id="r")
     assert [v for k, v in out if k == "X-Forwarded-For"] == [forwarded_for]
     assert [v for k, v in out if k == "X-Forwarded-Proto"] == [proto]
     assert out[-1] == (REQUEST_ID, "r")
@@ -110,7 +110,7 @@ def test_forwarded_for_and_proto(
 def test_authorization_upstream(
     upstream_auth: str | None, strip: bool, authorization_sent: list[str]
 ) -> None:
-    rules = ForwardingPolicy(upstream_authorization=upstream_auth, strip_client_authorization=strip)
+    rules = ForwardedHeaders(upstream_authorization=upstream_auth, strip_client_authorization=strip)
     incoming = [("Authorization", "Bearer client"), ("Content-Type", "application/json"), *HOP]
     out = rules.upstream(incoming, peer="10.0.0.1", scheme="http", request_id="r")
     assert [v for k, v in out if k.lower() == "authorization"] == authorization_sent
@@ -121,7 +121,7 @@ def test_authorization_upstream(
 
 def test_downstream_drops_hop_by_hop_and_the_backends_request_id() -> None:
     incoming = [("Content-Type", "text/event-stream"), (REQUEST_ID, "backend-chosen"), *HOP]
-    out = ForwardingPolicy.downstream(incoming, "ours")
+    out = ForwardedHeaders.downstream(incoming, "ours")
     assert out == [("Content-Type", "text/event-stream"), (REQUEST_ID, "ours")]
 
 

@@ -18,7 +18,7 @@ from typing import Any, Final
 import orjson
 
 from gateway.contract.jsonview import Head, read_view
-from gateway.contract.policy import READS, SHAPE_ONLY, MaskPolicy, Rejection
+from gateway.contract.policy import READS, SHAPE_ONLY, AdmissionRules, Rejection
 from gateway.contract.routes import Kind
 from gateway.contract.skim import Skimmed
 
@@ -163,7 +163,7 @@ def may_hold_mask_key(body: bytes) -> bool:
 
 
 def inspect_body(
-    kind: Kind, body: bytes, policy: MaskPolicy, *, skip_parse_without_key: bool = False
+    kind: Kind, body: bytes, policy: AdmissionRules, *, skip_parse_without_key: bool = False
 ) -> Rejection | None:
     """Parse an inspected route's body once and apply the policy to it.
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import re
 from typing import Final
 
+TOP_K_ALL: Final = 1 << 30  # SGLang's "no top-k" sentinel (docs/sglang-contract.md s.2)
+
 # pydantic's str -> bool table (case-insensitive, no stripping).
 _TRUE_STRINGS: Final = frozenset({"true", "t", "y", "yes", "on", "1"})
 _FALSE_STRINGS: Final = frozenset({"false", "f", "n", "no", "off", "0"})

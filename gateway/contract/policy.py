@@ -10,14 +10,13 @@ blow up response metadata and memory. A finite `top_k` is the safety cap.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, assert_never
 
-from gateway.contract.lax import Invalid, is_greedy, lax_bool, lax_int, plain_int
+from gateway.contract.lax import TOP_K_ALL, Invalid, is_greedy, lax_bool, lax_int, plain_int
 from gateway.contract.routes import Kind
-
-TOP_K_ALL: Final = 1 << 30  # SGLang's "no top-k" sentinel
 
 # SGLang 0.5.19 (PR #35205), the exact text clients and SGLang's own tests look for.
 MASK_MESSAGE: Final = (
@@ -38,12 +37,13 @@ PARALLEL_LIST_MESSAGE: Final = (
 class Rejection:
     """A reply the gateway makes itself instead of forwarding.
 
-    `policy` and `reason` are short fixed strings: they become metric labels and the
-    access log's outcome, so they must never carry request data.
+    `rule` (the rule that refused: sampling_mask, parallel_sampling, request_body, auth) and
+    `reason` are short fixed strings: they become metric labels and the access log's
+    outcome, so they must never carry request data.
     """
 
     status: int
-    policy: str
+    rule: str
     reason: str
     message: str
     # SGLang answers body-validation failures in the OpenAI shape on every route, and
@@ -62,7 +62,7 @@ def _top_k_range(k: int) -> Rejection | None:
     if k < 1 and k != -1:
         return Rejection(
             400,
-            "sampling_mask",
+            SAMPLING_MASK,
             "invalid_top_k",
             f"top_k must be -1 (disable) or at least 1, got {k}.",
         )
@@ -95,17 +95,60 @@ READS: Final[Mapping[Kind, frozenset[str] | None]] = {
 SHAPE_ONLY: Final = frozenset({"input_ids", "input_embeds"})
 
 
-@dataclass(frozen=True, slots=True)
-class MaskPolicy:
-    """Settings of the sampling-mask rule, taken from config."""
+class Mode(enum.Enum):
+    """How a rule that can be tried out acts on what it would refuse."""
 
-    enforce: bool = True
+    ENFORCE = "enforce"
+    LOG_ONLY = "log_only"  # counted and logged, then forwarded
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingMaskRule:
+    """The sampling-mask contract (docs/sglang-contract.md s.8), as configured."""
+
+    mode: Mode = Mode.ENFORCE
     # A top_k the operator knows the backend fills in for an omitted one (the model's
     # generation_config on chat, --preferred-sampling-params on /generate). None: fail closed.
     default_top_k: int | None = None
-    # Parallel samples (`n`) per item. SGLang builds per-sample state for batch x n up
-    # front, so one request with a huge n exhausts the server's memory. None: no cap.
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelSampleCap:
+    """Parallel samples (`n`) per item. SGLang builds per-sample state for batch x n up
+    front, so one request with a huge n exhausts the server's memory. None: no cap."""
+
     max_n: int | None = None
+
+    def check(self, params: Mapping[str, Any], *, generate: bool) -> Rejection | None:
+        if self.max_n is None:
+            return None
+        n = _sample_count(params.get("n"), generate=generate)
+        if n is not None and n > self.max_n:
+            return Rejection(
+                400,
+                PARALLEL_SAMPLING,
+                "n_too_large",
+                f"n must be at most {self.max_n} (this gateway's cap on parallel "
+                f"samples per request); got {n}.",
+            )
+        return None
+
+
+SAMPLING_MASK: Final = "sampling_mask"
+PARALLEL_SAMPLING: Final = "parallel_sampling"
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionRules:
+    """Every rule a parsed body is checked against, each with its own settings and mode."""
+
+    mask: SamplingMaskRule = SamplingMaskRule()
+    samples: ParallelSampleCap = ParallelSampleCap()
+
+    def mode_of(self, rejection: Rejection) -> Mode:
+        """Whether the rule that refused is enforced or only tried out (the mask rule can
+        run log_only; every other refusal is always enforced)."""
+        return self.mask.mode if rejection.rule == SAMPLING_MASK else Mode.ENFORCE
 
     def check(self, kind: Kind, body: Mapping[str, Any]) -> Rejection | None:
         """Apply the contract to a parsed body of a route of the given kind."""
@@ -152,7 +195,7 @@ class MaskPolicy:
         if isinstance(raw_mask, list):
             values = [read_flag(v, f"return_sampling_mask[{i}]") for i, v in enumerate(raw_mask)]
             if any(_parallel(p) for p in param_list):
-                return Rejection(400, "sampling_mask", "parallel_mask_list", PARALLEL_LIST_MESSAGE)
+                return Rejection(400, SAMPLING_MASK, "parallel_mask_list", PARALLEL_LIST_MESSAGE)
             # On a single request any non-empty list is truthy in SGLang, even [false].
             flags = [bool(values)] if batch_size is None else [bool(v) for v in values]
             broadcast = batch_size is None
@@ -212,9 +255,9 @@ class MaskPolicy:
         if rejection is not None or not mask_on or not chat:
             return rejection
         if not lax_bool(body.get("return_meta_info"), "return_meta_info"):
-            return Rejection(400, "sampling_mask", "missing_meta_info", META_INFO_MESSAGE)
+            return Rejection(400, SAMPLING_MASK, "missing_meta_info", META_INFO_MESSAGE)
         if lax_bool(body.get("stream"), "stream"):
-            return Rejection(400, "sampling_mask", "stream_meta_info", STREAM_META_INFO_MESSAGE)
+            return Rejection(400, SAMPLING_MASK, "stream_meta_info", STREAM_META_INFO_MESSAGE)
         return None
 
     # -- one item ----------------------------------------------------------------------
@@ -222,16 +265,9 @@ class MaskPolicy:
     def _check_item(
         self, params: Mapping[str, Any], *, mask_on: bool, generate: bool
     ) -> Rejection | None:
-        if self.max_n is not None:
-            n = _sample_count(params.get("n"), generate=generate)
-            if n is not None and n > self.max_n:
-                return Rejection(
-                    400,
-                    "parallel_sampling",
-                    "n_too_large",
-                    f"n must be at most {self.max_n} (this gateway's cap on parallel "
-                    f"samples per request); got {n}.",
-                )
+        capped = self.samples.check(params, generate=generate)
+        if capped is not None:
+            return capped
         if is_greedy(params.get("temperature")) and not (generate and params.get("is_normalized")):
             # SGLang forces top_k = 1 for greedy items whatever top_k says, unless the
             # sampling_params carry a truthy `is_normalized`, which skips that step.
@@ -240,15 +276,15 @@ class MaskPolicy:
             raw = params["top_k"]
             k = plain_int(raw, "top_k") if generate else lax_int(raw, "top_k")
             if k is None and not generate:
-                k = self.default_top_k  # OpenAI routes: null falls back like omitted
+                k = self.mask.default_top_k  # OpenAI routes: null falls back like omitted
         else:
-            k = self.default_top_k
+            k = self.mask.default_top_k
         if k is not None:
             bad = _top_k_range(k)
             if bad is not None:
                 return bad
         if mask_on and _is_unbounded(k):
-            return Rejection(400, "sampling_mask", "unbounded_top_k", MASK_MESSAGE)
+            return Rejection(400, SAMPLING_MASK, "unbounded_top_k", MASK_MESSAGE)
         return None
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Final
 
 from gateway.contract.inspection import ORJSON_SENSITIVE, may_hold_mask_key, parse_object
-from gateway.contract.policy import SHAPE_ONLY, MaskPolicy, Rejection
+from gateway.contract.policy import SHAPE_ONLY, AdmissionRules, Rejection
 from gateway.contract.routes import Kind
 from gateway.contract.skim import skim
 from gateway.edge.budget import InspectionBudget, TooCostly, parse_cost
@@ -22,7 +22,7 @@ INSPECTION_BUSY: Final = "The gateway is busy inspecting other large requests; r
 async def inspect_large(
     kind: Kind,
     body: bytes,
-    policy: MaskPolicy,
+    policy: AdmissionRules,
     budget: InspectionBudget,
     *,
     wait_s: float,

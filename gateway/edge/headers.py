@@ -61,7 +61,7 @@ def valid_request_id(value: str | None) -> bool:
     return value is not None and _REQUEST_ID_OK.match(value) is not None
 
 
-class ForwardingPolicy:
+class ForwardedHeaders:
     """Builds upstream request headers and downstream response headers."""
 
     __slots__ = ("_authorization", "_drop", "_trusted")

@@ -24,7 +24,13 @@ from aiohttp.http_exceptions import HttpProcessingError
 from gateway.config import GatewayConfig, header_safe
 from gateway.contract import replies as errors
 from gateway.contract.inspection import check_headers, inspect_body
-from gateway.contract.policy import MaskPolicy, Rejection
+from gateway.contract.policy import (
+    AdmissionRules,
+    Mode,
+    ParallelSampleCap,
+    Rejection,
+    SamplingMaskRule,
+)
 from gateway.contract.replies import Outcome
 from gateway.contract.routes import Family, Route, RouteTable, canonical_path
 from gateway.contract.skim import SKIM_MIN_BODY
@@ -32,7 +38,7 @@ from gateway.edge.admission import inspect_large
 from gateway.edge.aio import CoalescingResponse
 from gateway.edge.auth import ApiKeys, read_keys_file
 from gateway.edge.budget import InspectionBudget, parse_cost
-from gateway.edge.headers import REQUEST_ID, SERVER, ForwardingPolicy, valid_request_id
+from gateway.edge.headers import REQUEST_ID, SERVER, ForwardedHeaders, valid_request_id
 from gateway.edge.upstream import ConnectFailed, Upstream, UpstreamBroken, UpstreamResponse
 from gateway.fleet.pool import Backend, BackendPool
 from gateway.ops.observe import Exchange, Observer
@@ -76,8 +82,8 @@ class ProxySettings:
     """
 
     routes: RouteTable
-    policy: MaskPolicy
-    forwarding: ForwardingPolicy
+    admission: AdmissionRules
+    forwarding: ForwardedHeaders
     max_body: int
     max_inspecting: int
     body_timeout: float
@@ -118,12 +124,11 @@ class ProxySettings:
             routes=RouteTable(
                 vertex_path=cfg.routes.vertex_path, extra_passthrough=cfg.routes.passthrough
             ),
-            policy=MaskPolicy(
-                enforce=mask.mode == "enforce",
-                default_top_k=mask.default_top_k,
-                max_n=cfg.policy.max_parallel_samples,
+            admission=AdmissionRules(
+                mask=SamplingMaskRule(Mode(mask.mode), default_top_k=mask.default_top_k),
+                samples=ParallelSampleCap(cfg.policy.max_parallel_samples),
             ),
-            forwarding=ForwardingPolicy(
+            forwarding=ForwardedHeaders(
                 cfg.forwarding.trusted_proxies,
                 upstream_authorization=upstream_auth,
                 strip_client_authorization=a.enabled,
@@ -271,7 +276,7 @@ class Proxy:
                 # Most bodies: inspected at once, with no await on the way.
                 try:
                     rejection = inspect_body(
-                        route.kind, body, s.policy, skip_parse_without_key=s.skip_parse
+                        route.kind, body, s.admission, skip_parse_without_key=s.skip_parse
                     )
                 finally:
                     budget.release(cost)
@@ -279,20 +284,20 @@ class Proxy:
                 rejection = await inspect_large(
                     route.kind,
                     body,
-                    s.policy,
+                    s.admission,
                     budget,
                     wait_s=s.queue_timeout,
                     skip_parse_without_key=s.skip_parse,
                 )
             if rejection is not None:
-                if rejection.policy == "sampling_mask" and not s.policy.enforce:
+                if s.admission.mode_of(rejection) is Mode.LOG_ONLY:
                     # log_only: count and log what enforce would refuse, then forward.
                     log.warning(
                         "request %s would be rejected (%s): forwarded in log_only mode",
                         ex.request_id,
                         rejection.reason,
                     )
-                    ex.log_only = rejection.policy
+                    ex.log_only = rejection.rule
                     ex.reason = rejection.reason
                 else:
                     resp = self._reject(ex, route.family, rejection)
@@ -395,7 +400,7 @@ class Proxy:
         ex.reason = rejection.reason
         if rejection.detail:
             ex.detail = rejection.detail
-        ex.rejected_by = rejection.policy
+        ex.rejected_by = rejection.rule
         return self._reply(ex, rejection.status, body, Outcome.REJECTED, close=close)
 
     def _unavailable(self, ex: Exchange, family: Family, outcome: Outcome) -> web.Response:
@@ -505,7 +510,7 @@ class Proxy:
             cls = CoalescingResponse if length is not None else web.StreamResponse
             resp = cls(status=upstream.status, reason=upstream.reason)
             resp_headers = resp.headers
-            for name, value in ForwardingPolicy.downstream(
+            for name, value in ForwardedHeaders.downstream(
                 upstream.message.headers.items(), ex.request_id
             ):
                 resp_headers.add(name, value)

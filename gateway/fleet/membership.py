@@ -22,7 +22,7 @@ from gateway.fleet.discovery import (
     StaticDiscovery,
 )
 from gateway.fleet.health import HealthChecker, Prober
-from gateway.fleet.pool import BackendPool, PassivePolicy, PoolPolicy
+from gateway.fleet.pool import BackendPool, EjectionRules, PoolRules
 
 log = logging.getLogger("gateway.fleet.membership")
 
@@ -37,12 +37,12 @@ def make_balancer(cfg: BackendsConfig) -> Balancer:
     return BALANCERS[cfg.balancer](cfg.seed)
 
 
-def pool_policy(cfg: BackendsConfig) -> PoolPolicy:
+def pool_policy(cfg: BackendsConfig) -> PoolRules:
     p = cfg.passive
-    return PoolPolicy(
+    return PoolRules(
         healthy_threshold=cfg.health.healthy_threshold,
         unhealthy_threshold=cfg.health.unhealthy_threshold,
-        passive=PassivePolicy(
+        passive=EjectionRules(
             consecutive_connect_failures=p.consecutive_connect_failures,
             consecutive_5xx=p.consecutive_5xx,
             base_eject_s=p.base_eject_s,

@@ -60,7 +60,7 @@ class Backend:
 
 
 @dataclass(frozen=True, slots=True)
-class PassivePolicy:
+class EjectionRules:
     """When live traffic takes a backend out, and for how long."""
 
     consecutive_connect_failures: int = 1
@@ -70,12 +70,12 @@ class PassivePolicy:
 
 
 @dataclass(frozen=True, slots=True)
-class PoolPolicy:
+class PoolRules:
     """The pool's rules, swapped whole on reload."""
 
     healthy_threshold: int = 1
     unhealthy_threshold: int = 3
-    passive: PassivePolicy = PassivePolicy()
+    passive: EjectionRules = EjectionRules()
     max_inflight: int | None = None  # per backend; None: no cap
     probes: bool = True  # active probes run (else a not-yet-probed backend counts as ready)
 
@@ -87,7 +87,7 @@ class BackendPool:
         self,
         urls: Iterable[str],
         balancer: Balancer,
-        policy: PoolPolicy = PoolPolicy(),
+        policy: PoolRules = PoolRules(),
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -127,7 +127,7 @@ class BackendPool:
             )
         return added, removed
 
-    def reconfigure(self, balancer: Balancer, policy: PoolPolicy) -> None:
+    def reconfigure(self, balancer: Balancer, policy: PoolRules) -> None:
         """Swap rules on reload; backend state is kept."""
         balancer.set_members([b.url for b in self.backends])
         self._balancer = balancer

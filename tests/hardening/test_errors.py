@@ -113,7 +113,7 @@ async def test_handler_crash_is_a_generic_500(
         raise RuntimeError(secret)
 
     monkeypatch.setattr(proxy, "inspect_body", boom)
-    monkeypatch.setattr(proxy.ForwardingPolicy, "upstream", boom)
+    monkeypatch.setattr(proxy.ForwardedHeaders, "upstream", boom)
     asyncio.get_running_loop().set_debug(True)
     caplog.set_level(logging.INFO)
     try:

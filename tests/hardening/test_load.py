@@ -141,7 +141,7 @@ def check_exactly_once(
     # The stub saw each forwarded request exactly once, and nothing else.
     seen = Counter(
         r.headers.get("X-Request-Id")
-        for r in stub.received[before:]
+        for r in list(stub.received)[before:]
         if (r.headers.get("X-Request-Id") or "").startswith(prefix + "-")
     )
     forwarded = {r.rid for r in reqs if r.forwarded}
@@ -200,7 +200,7 @@ async def no_leaks(stub: StubBackend, gw: Gateway, rounds: int, per_round: int) 
         before = len(stub.received)
         result = await run_load(gw, reqs, concurrency=64)
         check_exactly_once(result, reqs, stub, before, prefix)
-        del stub.received[:]  # the stub's own record is not the gateway's memory
+        stub.received.clear()  # the stub's own record is not the gateway's memory
         await wait_for(lambda: gw.proxy is not None and gw.proxy.inflight == 0)
         await asyncio.sleep(0.2)  # let closed transports finish closing
         snap = snapshot(gw)
