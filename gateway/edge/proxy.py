@@ -189,56 +189,61 @@ class Proxy:
         raw_path = request.raw_path
         path, _, _ = raw_path.partition("?")
         route = settings.routes.match(path)
-        ex = Exchange(rid, request.method, route.path if route else "unmatched")
+        exchange = Exchange(rid, request.method, route.path if route else "unmatched")
         self.inflight += 1
         try:
-            return await self._handle(request, settings, route, raw_path, ex)
+            return await self._handle(request, settings, route, raw_path, exchange)
         except asyncio.CancelledError:
             # The client went away (handler cancellation); the upstream request, if any,
             # was closed on the way out so SGLang aborts the generation.
-            ex.outcome = Outcome.CLIENT_DISCONNECT
-            ex.status = ex.status or 499
+            exchange.outcome = Outcome.CLIENT_DISCONNECT
+            exchange.status = exchange.status or 499
             raise
         except ConnectionError:
-            ex.outcome = Outcome.CLIENT_DISCONNECT  # the client's socket broke under a write
-            ex.status = ex.status or 499
+            exchange.outcome = Outcome.CLIENT_DISCONNECT  # the client's socket broke under a write
+            exchange.status = exchange.status or 499
             raise
         except Exception as exc:
             # A bug in the gateway, not a client or backend failure. The traceback goes to the
             # log under the request id; the client gets the route's shape and nothing else.
             log.error("request %s failed inside the gateway: %s", rid, describe(exc))
-            ex.detail = type(exc).__name__
+            exchange.detail = type(exc).__name__
             if request.writer.output_size > 0:
                 raise  # a reply is already under way: aiohttp drops the connection
             family = route.family if route is not None else Family.PLAIN
             body = errors.render(family, 500, "The gateway failed to handle the request.")
-            return self._reply(ex, 500, body, Outcome.GATEWAY_ERROR, close=True)
+            return self._reply(exchange, 500, body, Outcome.GATEWAY_ERROR, close=True)
         finally:
             self.inflight -= 1
             if self._idle is not None and not self.inflight:
                 self._idle.set()
-            ex.finished = time.perf_counter()
+            exchange.finished = time.perf_counter()
             for obs in self._observers:
-                obs.finish(ex)
+                obs.finish(exchange)
 
     async def _handle(
         self,
         request: web.BaseRequest,
-        s: ProxySettings,
+        settings: ProxySettings,
         route: Route | None,
         raw_path: str,
-        ex: Exchange,
+        exchange: Exchange,
     ) -> web.StreamResponse:
-        if s.auth is not None:
+        if settings.auth is not None:
             denied = self._authenticate(
-                request, keys=s.auth, exempt=s.auth_exempt, route=route, raw_path=raw_path, ex=ex
+                request,
+                keys=settings.auth,
+                exempt=settings.auth_exempt,
+                route=route,
+                raw_path=raw_path,
+                exchange=exchange,
             )
             if denied is not None:
                 return denied
         if route is None:
-            return self._reply(ex, 404, errors.NOT_FOUND, Outcome.NOT_FOUND)
+            return self._reply(exchange, 404, errors.NOT_FOUND, Outcome.NOT_FOUND)
         if request.method not in route.methods:
-            resp = self._reply(ex, 405, errors.METHOD_NOT_ALLOWED, Outcome.METHOD_NOT_ALLOWED)
+            resp = self._reply(exchange, 405, errors.METHOD_NOT_ALLOWED, Outcome.METHOD_NOT_ALLOWED)
             resp.headers["Allow"] = ", ".join(sorted(route.methods))
             return resp
 
@@ -251,23 +256,23 @@ class Proxy:
             None if encodings is None else ", ".join(encodings),
         )
         if rejection is not None:
-            return self._reject(ex, route.family, rejection, close=request.body_exists)
+            return self._reject(exchange, route.family, rejection, close=request.body_exists)
 
         try:
-            body = await self._read_body(request, s, ex)
+            body = await self._read_body(request, settings, exchange)
         except _TooLarge:
             rejection = Rejection(
                 413,
                 "request_body",
                 "too_large",
-                f"Request body exceeds the gateway's limit of {s.max_body} bytes.",
+                f"Request body exceeds the gateway's limit of {settings.max_body} bytes.",
             )
-            return self._reject(ex, route.family, rejection, close=True)
+            return self._reject(exchange, route.family, rejection, close=True)
         except TimeoutError:
             rejection = Rejection(
                 408, "request_body", "body_timeout", "Request body was not received in time."
             )
-            return self._reject(ex, route.family, rejection, close=True)
+            return self._reject(exchange, route.family, rejection, close=True)
 
         if route.inspected:
             budget = self.budget
@@ -276,7 +281,10 @@ class Proxy:
                 # Most bodies: inspected at once, with no await on the way.
                 try:
                     rejection = inspect_body(
-                        route.kind, body, s.admission, skip_parse_without_key=s.skip_parse
+                        route.kind,
+                        body,
+                        settings.admission,
+                        skip_parse_without_key=settings.skip_parse,
                     )
                 finally:
                     budget.release(cost)
@@ -284,28 +292,30 @@ class Proxy:
                 rejection = await inspect_large(
                     route.kind,
                     body,
-                    s.admission,
+                    settings.admission,
                     budget,
-                    wait_s=s.queue_timeout,
-                    skip_parse_without_key=s.skip_parse,
+                    wait_s=settings.queue_timeout,
+                    skip_parse_without_key=settings.skip_parse,
                 )
             if rejection is not None:
-                if s.admission.mode_of(rejection) is Mode.LOG_ONLY:
+                if settings.admission.mode_of(rejection) is Mode.LOG_ONLY:
                     # log_only: count and log what enforce would refuse, then forward.
                     log.warning(
                         "request %s would be rejected (%s): forwarded in log_only mode",
-                        ex.request_id,
+                        exchange.request_id,
                         rejection.reason,
                     )
-                    ex.log_only = rejection.rule
-                    ex.reason = rejection.reason
+                    exchange.log_only = rejection.rule
+                    exchange.reason = rejection.reason
                 else:
-                    resp = self._reject(ex, route.family, rejection)
+                    resp = self._reject(exchange, route.family, rejection)
                     if rejection.status == 503:
                         resp.headers["Retry-After"] = "1"
                     return resp
 
-        return await self._forward(request, s=s, route=route, raw_path=raw_path, body=body, ex=ex)
+        return await self._forward(
+            request, settings=settings, route=route, raw_path=raw_path, body=body, exchange=exchange
+        )
 
     def _authenticate(
         self,
@@ -315,7 +325,7 @@ class Proxy:
         exempt: frozenset[str],
         route: Route | None,
         raw_path: str,
-        ex: Exchange,
+        exchange: Exchange,
     ) -> web.Response | None:
         # Checked before routing, so an unauthenticated client learns nothing about paths.
         path = route.path if route is not None else canonical_path(raw_path.partition("?")[0])
@@ -326,17 +336,19 @@ class Proxy:
             return None
         family = route.family if route is not None else Family.PLAIN
         denied = Rejection(401, "auth", reason, "Missing or invalid API key.")
-        resp = self._reject(ex, family, denied, close=request.body_exists)
+        resp = self._reject(exchange, family, denied, close=request.body_exists)
         resp.headers["WWW-Authenticate"] = "Bearer"
         return resp
 
     # -- request body ----------------------------------------------------------------
 
-    async def _read_body(self, request: web.BaseRequest, s: ProxySettings, ex: Exchange) -> bytes:
+    async def _read_body(
+        self, request: web.BaseRequest, settings: ProxySettings, exchange: Exchange
+    ) -> bytes:
         if not request.body_exists:
             return b""
         length = request.content_length
-        if length is not None and length > s.max_body:
+        if length is not None and length > settings.max_body:
             raise _TooLarge
         if (
             request.version >= (1, 1)  # HTTP/1.0 has no 100 (RFC 9110 s.10.1.1)
@@ -350,11 +362,11 @@ class Proxy:
             # The whole body came with the headers (most requests): take it without arming
             # a deadline timer, which costs more than the rest of the read.
             body = content.read_nowait(-1)
-            if len(body) > s.max_body:
+            if len(body) > settings.max_body:
                 raise _TooLarge
-            ex.bytes_in = len(body)
+            exchange.bytes_in = len(body)
             return body
-        async with asyncio.timeout(s.body_timeout):
+        async with asyncio.timeout(settings.body_timeout):
             if length is not None and length <= BUFFERED_BODY_MAX:
                 # The server's read buffer holds this much without pausing the socket: let
                 # it fill, then take the body in one join (readexactly wakes and joins once
@@ -370,23 +382,23 @@ class Proxy:
                 size = 0
                 while chunk := await content.readany():
                     size += len(chunk)
-                    if size > s.max_body:
+                    if size > settings.max_body:
                         raise _TooLarge
                     chunks.append(chunk)
                 body = b"".join(chunks)
-        ex.bytes_in = len(body)
+        exchange.bytes_in = len(body)
         return body
 
     # -- gateway-made replies ----------------------------------------------------------
 
     def _reply(
-        self, ex: Exchange, status: int, body: bytes, outcome: Outcome, *, close: bool = False
+        self, exchange: Exchange, status: int, body: bytes, outcome: Outcome, *, close: bool = False
     ) -> web.Response:
-        ex.status = status
-        ex.outcome = outcome
-        ex.bytes_out = len(body)
+        exchange.status = status
+        exchange.outcome = outcome
+        exchange.bytes_out = len(body)
         resp = web.Response(status=status, body=body, content_type=_JSON)
-        resp.headers[REQUEST_ID] = ex.request_id
+        resp.headers[REQUEST_ID] = exchange.request_id
         resp.headers[SERVER[0]] = SERVER[1]
         if close:
             # The unread rest of the body would otherwise be parsed as the next request.
@@ -394,16 +406,16 @@ class Proxy:
         return resp
 
     def _reject(
-        self, ex: Exchange, family: Family, rejection: Rejection, *, close: bool = False
+        self, exchange: Exchange, family: Family, rejection: Rejection, *, close: bool = False
     ) -> web.Response:
         body = errors.render_rejection(family, rejection)
-        ex.reason = rejection.reason
+        exchange.reason = rejection.reason
         if rejection.detail:
-            ex.detail = rejection.detail
-        ex.rejected_by = rejection.rule
-        return self._reply(ex, rejection.status, body, Outcome.REJECTED, close=close)
+            exchange.detail = rejection.detail
+        exchange.rejected_by = rejection.rule
+        return self._reply(exchange, rejection.status, body, Outcome.REJECTED, close=close)
 
-    def _unavailable(self, ex: Exchange, family: Family, outcome: Outcome) -> web.Response:
+    def _unavailable(self, exchange: Exchange, family: Family, outcome: Outcome) -> web.Response:
         status = 503
         if outcome is Outcome.NO_CAPACITY:
             message = "All backends are at their concurrency limit; retry later."
@@ -411,7 +423,7 @@ class Proxy:
             message = "The gateway is out of resources for new upstream connections; retry later."
         else:
             message = "No healthy backend is available; retry later."
-        resp = self._reply(ex, status, errors.render(family, status, message), outcome)
+        resp = self._reply(exchange, status, errors.render(family, status, message), outcome)
         resp.headers["Retry-After"] = "1"
         return resp
 
@@ -421,30 +433,30 @@ class Proxy:
         self,
         request: web.BaseRequest,
         *,
-        s: ProxySettings,
+        settings: ProxySettings,
         route: Route,
         raw_path: str,
         body: bytes,
-        ex: Exchange,
+        exchange: Exchange,
     ) -> web.StreamResponse:
-        headers = s.forwarding.upstream(
+        headers = settings.forwarding.upstream(
             request.headers.items(),
             peer=request.remote,
             scheme=request.scheme,
-            request_id=ex.request_id,
+            request_id=exchange.request_id,
         )
         data = body if request.body_exists else None
-        key = request.headers.get(s.hash_header) if s.hash_header else None
+        key = request.headers.get(settings.hash_header) if settings.hash_header else None
         tried: list[Backend] = []
         saturated = False
-        while len(tried) < s.attempts:
-            backend = await self._pool.acquire(tried, key, s.queue_timeout)
+        while len(tried) < settings.attempts:
+            backend = await self._pool.acquire(tried, key, settings.queue_timeout)
             if backend is None:
                 saturated = self._pool.saturated(tried)
                 break
             tried.append(backend)
-            ex.attempts = len(tried)
-            ex.backend = backend.url
+            exchange.attempts = len(tried)
+            exchange.backend = backend.url
             try:
                 try:
                     upstream = await self._upstream.request(
@@ -453,55 +465,61 @@ class Proxy:
                         raw_path,
                         headers,
                         data,
-                        connect_s=s.connect_s,
-                        ttfb_s=s.ttfb_s,
-                        total_s=s.total_s,
+                        connect_s=settings.connect_s,
+                        ttfb_s=settings.ttfb_s,
+                        total_s=settings.total_s,
                     )
                 except ConnectFailed as exc:
                     if exc.local:
                         # Out of descriptors or buffers: the gateway's own fault. Blaming the
                         # backend would eject healthy ones in turn; another would fare no better.
-                        log.warning("request %s: cannot connect upstream: %s", ex.request_id, exc)
-                        ex.detail = f"local resource: {exc.cause}"
-                        return self._unavailable(ex, route.family, Outcome.GATEWAY_OVERLOADED)
+                        log.warning(
+                            "request %s: cannot connect upstream: %s", exchange.request_id, exc
+                        )
+                        exchange.detail = f"local resource: {exc.cause}"
+                        return self._unavailable(exchange, route.family, Outcome.GATEWAY_OVERLOADED)
                     # Nothing reached the backend: safe to try another one.
                     self._pool.connect_failed(backend, exc.cause)
-                    ex.connect_failed = (*ex.connect_failed, backend.url)
-                    ex.detail = f"connect failed: {exc.cause}"
+                    exchange.connect_failed = (*exchange.connect_failed, backend.url)
+                    exchange.detail = f"connect failed: {exc.cause}"
                     continue
                 except TimeoutError:
-                    return self._upstream_failed(ex, route.family, 504, Outcome.UPSTREAM_TIMEOUT)
+                    return self._upstream_failed(
+                        exchange, route.family, 504, Outcome.UPSTREAM_TIMEOUT
+                    )
                 except (UpstreamBroken, aiohttp.ClientError, HttpProcessingError) as exc:
                     # The request went out and the backend dropped it: never replay a
                     # generation that may have started.
-                    ex.detail = type(exc).__name__
-                    return self._upstream_failed(ex, route.family, 502, Outcome.UPSTREAM_ERROR)
+                    exchange.detail = type(exc).__name__
+                    return self._upstream_failed(
+                        exchange, route.family, 502, Outcome.UPSTREAM_ERROR
+                    )
                 self._pool.response(backend, upstream.status)
                 # Headers are in: from now on bound the silence between chunks, not the
                 # (much longer) wait for the first byte.
-                upstream.set_idle_timeout(s.idle_s)
-                return await self._relay(request, upstream, ex)
+                upstream.set_idle_timeout(settings.idle_s)
+                return await self._relay(request, upstream, exchange)
             finally:
                 self._pool.release(backend)
         return self._unavailable(
-            ex, route.family, Outcome.NO_CAPACITY if saturated else Outcome.NO_BACKEND
+            exchange, route.family, Outcome.NO_CAPACITY if saturated else Outcome.NO_BACKEND
         )
 
     def _upstream_failed(
-        self, ex: Exchange, family: Family, status: int, outcome: Outcome
+        self, exchange: Exchange, family: Family, status: int, outcome: Outcome
     ) -> web.Response:
         message = (
             "The backend did not answer in time."
             if status == 504
             else "The backend failed to answer the request."
         )
-        return self._reply(ex, status, errors.render(family, status, message), outcome)
+        return self._reply(exchange, status, errors.render(family, status, message), outcome)
 
     async def _relay(
-        self, request: web.BaseRequest, upstream: UpstreamResponse, ex: Exchange
+        self, request: web.BaseRequest, upstream: UpstreamResponse, exchange: Exchange
     ) -> web.StreamResponse:
-        ex.first_byte = time.perf_counter()
-        ex.status = upstream.status
+        exchange.first_byte = time.perf_counter()
+        exchange.status = upstream.status
         length = upstream.content_length
         clean = False
         try:
@@ -511,7 +529,7 @@ class Proxy:
             resp = cls(status=upstream.status, reason=upstream.reason)
             resp_headers = resp.headers
             for name, value in ForwardedHeaders.downstream(
-                upstream.message.headers.items(), ex.request_id
+                upstream.message.headers.items(), exchange.request_id
             ):
                 resp_headers.add(name, value)
             resp_headers.setdefault(*SERVER)
@@ -520,7 +538,7 @@ class Proxy:
             except ConnectionError:
                 # The client left while the backend was preparing its answer: nothing to
                 # send; the upstream is closed below so SGLang aborts the generation.
-                ex.outcome = Outcome.CLIENT_DISCONNECT
+                exchange.outcome = Outcome.CLIENT_DISCONNECT
                 return resp
             content = upstream.content
             while True:
@@ -533,24 +551,24 @@ class Proxy:
                 ) as exc:
                     # The backend broke off mid-body. Abort the client's connection so the
                     # truncation is visible (no final chunk, short Content-Length).
-                    ex.outcome = Outcome.UPSTREAM_BROKEN
-                    ex.detail = type(exc).__name__
+                    exchange.outcome = Outcome.UPSTREAM_BROKEN
+                    exchange.detail = type(exc).__name__
                     if request.transport is not None:
                         request.transport.abort()
                     return resp
                 if not chunk:
                     break
                 try:
-                    if length is not None and ex.bytes_out + len(chunk) >= length:
+                    if length is not None and exchange.bytes_out + len(chunk) >= length:
                         await resp.write_eof(chunk)  # headers, body and end in one write
-                        ex.bytes_out += len(chunk)
+                        exchange.bytes_out += len(chunk)
                         break
                     await resp.write(chunk)
                 except ConnectionError:
-                    ex.outcome = Outcome.CLIENT_DISCONNECT
+                    exchange.outcome = Outcome.CLIENT_DISCONNECT
                     return resp
                 # Counted as it goes: a client that leaves cancels this handler mid-loop.
-                ex.bytes_out += len(chunk)
+                exchange.bytes_out += len(chunk)
             await resp.write_eof()  # a no-op when the last chunk already ended it
             clean = True
             return resp

@@ -83,7 +83,7 @@ MUTATIONS = [
     (
         "body size cap removed",
         "gateway/edge/proxy.py",
-        "if length is not None and length > s.max_body:",
+        "if length is not None and length > settings.max_body:",
         "if False:",
         [
             "tests/hardening/test_bad_inputs.py::test_declared_length_over_the_cap_is_413_before_the_body"
@@ -92,7 +92,7 @@ MUTATIONS = [
     (
         "chunked size cap removed",
         "gateway/edge/proxy.py",
-        "if size > s.max_body:\n                        raise _TooLarge",
+        "if size > settings.max_body:\n                        raise _TooLarge",
         "if False:\n                        raise _TooLarge",
         [
             "tests/hardening/test_bad_inputs.py::test_chunked_body_growing_over_the_cap_is_413_mid_read_with_bounded_memory"
@@ -101,7 +101,7 @@ MUTATIONS = [
     (
         "body read deadline removed",
         "gateway/edge/proxy.py",
-        "async with asyncio.timeout(s.body_timeout):",
+        "async with asyncio.timeout(settings.body_timeout):",
         "async with asyncio.timeout(None):",
         ["tests/hardening/test_faults.py::test_slow_body_is_408_at_the_deadline"],
     ),
