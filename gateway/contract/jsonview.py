@@ -7,7 +7,7 @@ gateway's CPU on such traffic. simdjson validates the whole document in C++ (UTF
 numbers, nesting) and lets the gateway convert only the fields the policy reads.
 
 The view must read every body exactly as orjson would, or a filter could be bypassed:
-- what simdjson accepts, orjson accepts (tests/test_jsonview.py checks the edge cases and a
+- what simdjson accepts, orjson accepts (tests/contract/test_jsonview.py checks the edge cases and a
   mutation fuzz); the one exception found, a leading UTF-8 BOM, never reaches simdjson,
   because the fast path requires the first non-blank byte to be `{`;
 - whenever simdjson refuses a body (including big integers and nesting it is stricter on),

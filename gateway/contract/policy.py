@@ -77,7 +77,7 @@ def _is_unbounded(k: int | None) -> bool:
 
 # The top-level fields each kind's check reads (None: all of them). The body reader
 # converts only these, so they must name every field the checks below look at:
-# tests/test_jsonview.py runs the truth tables through a recording body to hold them to it.
+# tests/contract/test_jsonview.py runs the truth tables through a recording body to hold them to it.
 _OPENAI_READS: Final = frozenset(
     {"return_sampling_mask", "return_meta_info", "stream", "n", "temperature", "top_k"}
 )

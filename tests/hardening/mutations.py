@@ -297,21 +297,23 @@ MUTATIONS = [
         "gateway/contract/inspection.py",
         "or ORJSON_SENSITIVE.match(parsed):",
         "or False:",
-        ["tests/test_jsonview.py::test_bodies_orjson_cannot_allocate_for_are_refused_like_orjson"],
+        [
+            "tests/contract/test_jsonview.py::test_bodies_orjson_cannot_allocate_for_are_refused_like_orjson"
+        ],
     ),
     (
         "skim accepts leading zeros",
         "gateway/contract/skim.py",
         'if b",zd" in opened or b",zz" in opened:',
         "if False:",
-        ["tests/test_skim.py::test_slices_agree_with_orjson_on_random_lists"],
+        ["tests/contract/test_skim.py::test_slices_agree_with_orjson_on_random_lists"],
     ),
     (
         "skim forgets the lengths it removed",
         "gateway/contract/inspection.py",
         "                obj[key] = Head(value[0], len(value) + extra)",
         "                pass",
-        ["tests/test_skim.py::test_the_view_keeps_every_shape"],
+        ["tests/contract/test_skim.py::test_the_view_keeps_every_shape"],
     ),
     (
         "inspection budget never refuses",

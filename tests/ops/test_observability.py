@@ -32,7 +32,7 @@ from tests.conftest import (
     wait_for,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 JSON = {"Content-Type": "application/json"}
 OK_BODY = orjson.dumps({"text": "x", "sampling_params": {"top_k": 2}})
 MASK_BODY = orjson.dumps({"text": "x", "return_sampling_mask": True})

@@ -2,8 +2,9 @@
 
 Three things would let a body past the filter: the reader accepting what orjson refuses, the
 reader seeing a different value for a field the policy reads, or the policy reading a field
-the reader left out. Each has a test here; the policy truth tables (tests/test_policy.py) go
-through the reader as well, and check the third on every case.
+the reader left out. Each has a test here; the policy truth tables
+(tests/contract/test_policy.py) go through the reader as well, and check the third on every
+case.
 """
 
 from __future__ import annotations

@@ -1,0 +1,48 @@
+"""Truth tables: the body of a gateway-made reply, per route family and status."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from gateway.contract.policy import Rejection
+from gateway.contract.replies import render, render_rejection
+from gateway.contract.routes import Family
+
+# -- error rendering ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("family", "status", "expected"),
+    [
+        (Family.GENERATE, 400, {"error": {"message": "m"}}),
+        (Family.GENERATE, 503, {"error": {"message": "m"}}),
+        (Family.OPENAI, 400, {"object": "error", "message": "m", "type": "BadRequestError",
+                              "param": None, "code": 400}),
+        (Family.OPENAI, 413, {"object": "error", "message": "m",
+                              "type": "RequestEntityTooLarge", "param": None, "code": 413}),
+        (Family.OPENAI, 418, {"object": "error", "message": "m", "type": "Error", "param": None,
+                              "code": 418}),
+        (Family.PLAIN, 404, {"detail": "m"}),
+        (Family.PLAIN, 500, {"detail": "m"}),
+    ],
+)  # fmt: skip
+def test_render(family: Family, status: int, expected: dict) -> None:
+    assert orjson.loads(render(family, status, "m")) == expected
+
+
+@pytest.mark.parametrize("family", list(Family))
+def test_validation_rejections_use_the_openai_shape_on_every_route(family: Family) -> None:
+    rule = Rejection(400, "sampling_mask", "unbounded_top_k", "rule says no")
+    invalid = Rejection(400, "request_body", "invalid_json", "bad json", validation=True)
+    assert orjson.loads(render_rejection(family, rule)) == orjson.loads(
+        render(family, 400, "rule says no")
+    )
+    body = orjson.loads(render_rejection(family, invalid))
+    assert body == {
+        "object": "error",
+        "message": "bad json",
+        "type": "Bad Request",
+        "param": None,
+        "code": 400,
+    }
