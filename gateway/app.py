@@ -39,7 +39,9 @@ log = logging.getLogger("gateway.app")
 # How long handlers still running at the end of the drain get to close their upstreams
 # once cancelled.
 _CANCEL_WAIT_S: Final = 0.2  # aiohttp waits it twice: for the handlers, then the cancelled ones
-_UPSTREAM_READ_BUFSIZE: Final = 1 << 17  # 64-512 KiB measured: 128 KiB relays 4 MB replies best
+# The upstream read size: 128 KiB relayed multi-MB replies best (docs/bench.md, "Tuned
+# constants").
+_UPSTREAM_READ_BUFSIZE: Final = 1 << 17
 
 
 def _bound_port(runner: web.BaseRunner) -> int:

@@ -138,8 +138,9 @@ def default_max_client_connections() -> int:
 #
 # Python asks malloc for each large body (a joined request body, simdjson's padded copy,
 # response chunks). glibc serves blocks above its mmap threshold (128 KiB to start) with a
-# fresh mmap, so every such block is page-faulted in as it is written and unmapped on free:
-# about a fifth of the gateway's CPU on 1 MB chat bodies. Serving blocks up to 32 MiB from
+# fresh mmap, so every such block is page-faulted in as it is written and unmapped on free
+# (a large share of the CPU on MB-sized bodies: docs/bench.md, "Tuned constants"). Serving
+# blocks up to 32 MiB from
 # the heap, and keeping up to 64 MiB of freed heap before giving it back, lets those pages be
 # reused hot. The cost is RSS that stays up to that much above the live set after a burst.
 

@@ -66,8 +66,8 @@ def check_headers(content_type: str | None, content_encoding: str | None) -> Rej
     return None
 
 
-# Below this size orjson's full parse is cheaper than simdjson's setup (0.5 against 2.3 us
-# at 300 B; they cross between 2 and 5 KB), and a tree of a small body costs little.
+# Below this size orjson's full parse is cheaper than simdjson's setup, and a tree of a small
+# body costs little (where they cross: docs/bench.md, "Tuned constants").
 _VIEW_MIN_BYTES: Final = 4096
 # orjson 3.13 refuses some valid bodies ("failed to allocate memory"): every one found by a
 # fuzz of 20,000 bodies with dense arrays opened with two or more blanks after the top-level
@@ -127,8 +127,8 @@ def parse_object(
 _MASK_KEY: Final = b"return_sampling_mask"
 _BACKSLASH: Final = b"\\"
 _U: Final = ord("u")
-# Past this many escapes a full read (simdjson: ~0.15 ms per MB of text) is cheaper than
-# walking them one by one in Python.
+# Past this many escapes a full read at C speed is cheaper than walking them one by one in
+# Python.
 _MAX_ESCAPES_WALKED: Final = 64
 
 
@@ -144,8 +144,8 @@ def may_hold_mask_key(body: bytes) -> bool:
     never a backslash), so stepping two bytes past each one keeps the walk aligned and an
     escaped backslash followed by `u` is not taken for an escape. A body that is not JSON
     may be misjudged, but SGLang refuses such a body itself. (A scan for the two-byte `\\u`
-    would be simpler, but CPython searches a two-byte needle about 60 times slower than it
-    finds one byte with memchr: 0.6 ms against 0.01 ms on a 600 KB body.)
+    would be simpler, but CPython searches a two-byte needle far slower than it finds one
+    byte with memchr.)
     """
     # Escapes first: a body rich in them is read anyway, without also searching for the key.
     find = body.find

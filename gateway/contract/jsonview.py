@@ -2,8 +2,8 @@
 a Python object tree of the whole body.
 
 orjson, SGLang's parser, builds every value of a body: for a /generate request carrying 100k
-`input_ids` that is 100k int objects made and freed per request, about two thirds of the
-gateway's CPU on such traffic. simdjson validates the whole document in C++ (UTF-8, escapes,
+`input_ids` that is 100k int objects made and freed per request, most of the gateway's CPU
+on such traffic. simdjson validates the whole document in C++ (UTF-8, escapes,
 numbers, nesting) and lets the gateway convert only the fields the policy reads.
 
 The view must read every body exactly as orjson would, or a filter could be bypassed:
