@@ -1,16 +1,12 @@
-"""A stub backend that speaks SGLang 0.5.19's HTTP surface, for tests and local runs.
+"""The stub backend that speaks SGLang 0.5.19's HTTP surface, for tests and local runs.
 
 It reproduces the shapes the gateway cares about (see docs/sglang-contract.md): generation
 responses, error bodies, SSE streams written event by event, and SGLang's own sampling-mask
 admission rule, coded independently of the gateway so that the two can check each other.
 Faults are scripted per request with ``X-Stub-*`` headers or per instance with attributes.
 
-Its lax readings only approximate SGLang's: `_lax_bool` and `_lax_int` read the same values
-on every route, where SGLang is lax on chat only (pydantic) and reads `/generate` fields
-with Python truthiness and `SamplingParams.verify()`; they do not reject every value pydantic
-rejects (a float string as an int), and no 0.5.23 strict schema. The faithful model of how
-SGLang reads a request is `tests/sglang_model.py`, which the differential tests use; the
-stub is for serving traffic, not for judging the gateway's reading.
+SGLang's rules live in rules.py (with where they only approximate SGLang), the faults it
+plays in faults.py.
 A long-lived stub (compose, `sglang-gateway stub`) remembers only its last `--keep` requests,
 each body cut to `--keep-body-bytes`, so its memory stays bounded.
 """
@@ -26,7 +22,6 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
-from http import HTTPStatus
 from typing import Any
 
 import orjson
@@ -34,28 +29,36 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway import runtime
-
-TOP_K_ALL = 1 << 30
-VOCAB_SIZE = 32000
-DEFAULT_MAX_NEW_TOKENS = 16
-MAX_NEW_TOKENS_CAP = 4096
-PAD_CHUNK = 64 * 1024
-PAD_RESERVE = 4096
-MID_BODY_EVENTS = 2
-MASK_TOP_K_MESSAGE = (
-    "return_sampling_mask requires finite top_k; top_p-only sampling is valid but can return huge"
-    " masks in the tail, blowing up metadata, so we need a safety cap."
+from gateway.testing.stub.faults import (
+    CTX,
+    MID_BODY_EVENTS,
+    PAD_RESERVE,
+    PAD_SENTINEL,
+    Ctx,
+    header_int,
+    padded_rows,
 )
-GENERATION_PATHS = frozenset(
-    {"/generate", "/v1/chat/completions", "/invocations", "/v1/completions"}
-    | {"/v1/responses", "/vertex_generate"}
+from gateway.testing.stub.rules import (
+    GENERATION_PATHS,
+    Item,
+    Reject,
+    error,
+    generate_items,
+    generate_out,
+    json_response,
+    lax_bool,
+    mask_top_k,
+    max_tokens,
+    parse,
+    token_pieces,
+    usage,
+    words,
 )
-_TRUE_STRINGS = frozenset({"true", "t", "y", "yes", "on", "1"})
-_PAD_SENTINEL = "\x00stub-padding\x00"
-_PAD_ROW = b"[" + b",".join(str(i).encode() for i in range(16)) + b"]"
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 _Json = dict[str, Any]
+
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -69,216 +72,6 @@ class Received:
     headers: CIMultiDictProxy[str]
     body: bytes
     sha256: str
-
-
-@dataclass(slots=True)
-class _Ctx:
-    index: int
-    sha256: str
-    started: float
-    drop: str | None = None
-    chunk_delay_s: float = 0.0
-    dropped: bool = False
-
-
-_CTX = web.RequestKey("stub_ctx", _Ctx)
-
-
-@dataclass(eq=False)
-class _Reject(Exception):
-    """A request SGLang would refuse; `admission` marks refusals a stream reports in-band."""
-
-    message: str
-    status: int = 400
-    parse: bool = False
-    admission: bool = False
-
-
-@dataclass(slots=True)
-class _Item:
-    prompt_tokens: int
-    max_new: int
-    mask_k: int | None
-    rid: str
-
-
-def _json(obj: object, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
-
-
-def _error(path: str, message: str, status: int, *, parse: bool = False) -> web.Response:
-    if status in (204, 304) or status < 200:
-        return web.Response(status=status)
-    if parse or path.startswith("/v1/") or path == "/invocations":
-        kind = "Bad Request" if parse else "BadRequestError" if status == 400 else _phrase(status)
-        body = {"object": "error", "message": message, "type": kind, "param": None, "code": status}
-        return _json(body, status)
-    return _json({"error": {"message": message}}, status)
-
-
-def _phrase(status: int) -> str:
-    try:
-        return HTTPStatus(status).phrase
-    except ValueError:
-        return "Error"
-
-
-def _header_int(request: web.Request, name: str) -> int | None:
-    value = request.headers.get(name)
-    if value is None:
-        return None
-    try:
-        return int(value.strip())
-    except ValueError:
-        return None
-
-
-def _lax_bool(value: object) -> bool:
-    # pydantic's lax booleans; a list (single /generate request) counts when non-empty.
-    if isinstance(value, str):
-        return value.strip().lower() in _TRUE_STRINGS
-    if isinstance(value, bool | int | float | list):
-        return bool(value)
-    return False
-
-
-def _lax_int(value: object, name: str) -> int:
-    if isinstance(value, bool | int):
-        return int(value)
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
-        try:
-            return int(value.strip())
-        except ValueError:
-            pass
-    raise _Reject(f"{name} must be an integer, got {value!r}.")
-
-
-def _max_tokens(value: object) -> int:
-    n = DEFAULT_MAX_NEW_TOKENS if value is None else _lax_int(value, "max_new_tokens")
-    return max(0, min(n, MAX_NEW_TOKENS_CAP))
-
-
-def _mask_top_k(top_k: object, temperature: object) -> int:
-    """The row width of a mask-requesting item, or a refusal under SGLang 0.5.19's rule."""
-    if isinstance(temperature, int | float) and 0 <= temperature < 1e-6:
-        return 1  # SGLang forces greedy items to top_k = 1 whatever was sent
-    k = TOP_K_ALL if top_k is None else _lax_int(top_k, "top_k")
-    if k == -1:
-        k = TOP_K_ALL
-    if k < 1:
-        raise _Reject(f"top_k must be -1 (disable) or at least 1, got {k}.", admission=True)
-    if k == TOP_K_ALL:
-        raise _Reject(MASK_TOP_K_MESSAGE, admission=True)
-    return k
-
-
-def _mask_meta(n: int, k: int) -> _Json:
-    width = min(k, VOCAB_SIZE)
-    ids = list(range(width))
-    logprobs = [round(-0.01 * (j + 1), 4) for j in range(width)]
-    return {
-        "output_token_sampling_mask": [ids] * n,
-        "output_token_sampling_logprobs": [logprobs] * n,
-        "output_token_sampling_mask_length": [width] * n,
-    }
-
-
-def _pieces(n: int) -> list[str]:
-    return [f" w{i}" for i in range(n)]
-
-
-def _ids(n: int) -> list[int]:
-    return [100 + i for i in range(n)]
-
-
-def _words(value: object) -> int:
-    if isinstance(value, str):
-        return max(1, len(value.split()))
-    if isinstance(value, list):
-        if value and all(isinstance(v, int) for v in value):
-            return len(value)  # token ids
-        return sum(_words(v) for v in value)
-    if isinstance(value, dict):
-        return _words(value.get("content"))
-    return 1
-
-
-def _parse(body: bytes) -> _Json:
-    try:
-        obj = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise _Reject(f"Invalid JSON body: {exc}", parse=True) from exc
-    if not isinstance(obj, dict):
-        raise _Reject("Request body must be a JSON object.", parse=True)
-    return obj
-
-
-def _generate_items(body: _Json) -> tuple[list[_Item], bool]:
-    text, input_ids = body.get("text"), body.get("input_ids")
-    prompts: list[object]
-    if isinstance(text, list):
-        prompts, batch = list(text), True
-    elif isinstance(text, str):
-        prompts, batch = [text], False
-    elif isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
-        prompts, batch = list(input_ids), True
-    elif isinstance(input_ids, list):
-        prompts, batch = [input_ids], False
-    else:
-        raise _Reject("Either text, input_ids or input_embeds should be provided.")
-    params, mask, rid = (body.get(k) for k in ("sampling_params", "return_sampling_mask", "rid"))
-    items = []
-    for i, prompt in enumerate(prompts):
-        sp = params[i] if isinstance(params, list) and i < len(params) else params
-        sp = sp if isinstance(sp, dict) else {}
-        on = mask[i] if batch and isinstance(mask, list) and i < len(mask) else mask
-        mask_k = _mask_top_k(sp.get("top_k"), sp.get("temperature")) if _lax_bool(on) else None
-        item_rid = rid[i] if isinstance(rid, list) and i < len(rid) else rid
-        item_rid = item_rid if isinstance(item_rid, str) else uuid.uuid4().hex
-        items.append(_Item(_words(prompt), _max_tokens(sp.get("max_new_tokens")), mask_k, item_rid))
-    return items, batch
-
-
-def _generate_out(item: _Item, n: int, started: float, *, final: bool = True) -> _Json:
-    meta: _Json = {
-        "id": item.rid,
-        "finish_reason": {"type": "length", "length": n} if final else None,
-        "prompt_tokens": item.prompt_tokens,
-        "weight_version": "default",
-        "completion_tokens": n,
-        "cached_tokens": 0,
-        "e2e_latency": round(time.monotonic() - started, 6),
-    }
-    if item.mask_k is not None and final:
-        meta.update(_mask_meta(n, item.mask_k))
-    return {"text": "".join(_pieces(n)), "output_ids": _ids(n), "meta_info": meta}
-
-
-def _padding(budget: int, size: int) -> tuple[int, Iterator[bytes]]:
-    """JSON array contents: as many rows of ids as fit in `budget`, then blanks up to `size`."""
-    unit = b"," + _PAD_ROW
-    rows = max(0, budget // len(unit))
-    filled = max(0, rows * len(unit) - 1)  # the first row has no comma
-    blanks = max(0, size - filled)
-
-    def chunks() -> Iterator[bytes]:
-        # One reused block of rows: a 64 MB body never exists in memory at once.
-        per_block = PAD_CHUNK // len(unit)
-        full, rest = divmod(max(0, rows - 1), per_block)
-        if rows:
-            yield _PAD_ROW
-        block = unit * per_block
-        for _ in range(full):
-            yield block
-        yield unit * rest + b" " * blanks
-
-    return filled + blanks, chunks()
-
-
-def _usage(prompt: int, n: int) -> _Json:
-    return {"usage": {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}}
 
 
 def _sse(obj: object) -> bytes:
@@ -416,13 +209,13 @@ class StubBackend:
             )
             self.requests_seen += 1
             self.generations_seen += generation
-            ctx = _Ctx(index=self.requests_seen, sha256=digest, started=time.monotonic())
-            request[_CTX] = ctx
+            ctx = Ctx(index=self.requests_seen, sha256=digest, started=time.monotonic())
+            request[CTX] = ctx
             response = await self._dispatch(request, handler, ctx)
         except (asyncio.CancelledError, ConnectionResetError) as exc:
             # Only the client leaving counts, not a scripted drop or our own shutdown. A write can
             # notice the loss before the cancellation arrives, hence ConnectionResetError too.
-            ctx_now = request.get(_CTX)
+            ctx_now = request.get(CTX)
             if not self._stopping and not (ctx_now is not None and ctx_now.dropped):
                 self.cancelled += 1
                 self.disconnect_event.set()
@@ -438,15 +231,15 @@ class StubBackend:
         return response
 
     async def _dispatch(
-        self, request: web.Request, handler: _Handler, ctx: _Ctx
+        self, request: web.Request, handler: _Handler, ctx: Ctx
     ) -> web.StreamResponse:
         routed = request.match_info.http_exception is None
         gen = routed and request.path in GENERATION_PATHS
-        delay_ms = _header_int(request, "X-Stub-Delay-Ms")
+        delay_ms = header_int(request, "X-Stub-Delay-Ms")
         delay = delay_ms / 1000 if delay_ms is not None else (self.delay_s if gen else 0.0)
-        chunk_ms = _header_int(request, "X-Stub-Chunk-Delay-Ms")
+        chunk_ms = header_int(request, "X-Stub-Chunk-Delay-Ms")
         ctx.chunk_delay_s = chunk_ms / 1000 if chunk_ms is not None else self.chunk_delay_s
-        status = _header_int(request, "X-Stub-Status")
+        status = header_int(request, "X-Stub-Status")
         if status is None and gen:
             status = self.fail_status
         ctx.drop = request.headers.get("X-Stub-Drop") or (self.drop if gen else None)
@@ -461,14 +254,14 @@ class StubBackend:
 
         response: web.StreamResponse
         if status is not None:
-            response = _error(request.path, f"stub: scripted status {status}", status)
+            response = error(request.path, f"stub: scripted status {status}", status)
         elif not routed:
             response = self._route_error(request)
         else:
             try:
                 response = await handler(request)
-            except _Reject as exc:
-                response = _error(request.path, exc.message, exc.status, parse=exc.parse)
+            except Reject as exc:
+                response = error(request.path, exc.message, exc.status, parse=exc.parse)
 
         if ctx.drop == "mid-body" and isinstance(response, web.Response) and not response.prepared:
             body = response.body if isinstance(response.body, bytes) else b""
@@ -480,20 +273,20 @@ class StubBackend:
 
     def _route_error(self, request: web.Request) -> web.StreamResponse:
         if isinstance(request.match_info.http_exception, web.HTTPMethodNotAllowed):
-            return _json({"detail": "Method Not Allowed"}, 405)
+            return json_response({"detail": "Method Not Allowed"}, 405)
         stripped = request.path.rstrip("/")
         if request.path != stripped and self._is_route(request, stripped):
             # Starlette's redirect_slashes, which SGLang inherits.
             location = request.url.with_path(stripped).with_query(request.query_string)
             return web.Response(status=307, headers={"Location": str(location)})
-        return _json({"detail": "Not Found"}, 404)
+        return json_response({"detail": "Not Found"}, 404)
 
     @staticmethod
     def _is_route(request: web.Request, path: str) -> bool:
         return any(r.canonical == path for r in request.app.router.resources() if r.canonical != "")
 
     async def _stamp(self, request: web.Request, response: web.StreamResponse) -> None:
-        ctx = request.get(_CTX)
+        ctx = request.get(CTX)
         if ctx is not None:
             response.headers["X-Stub-Body-Sha256"] = ctx.sha256
             response.headers["X-Stub-Request-Count"] = str(ctx.index)
@@ -501,7 +294,7 @@ class StubBackend:
             response.headers["X-Request-Id"] = request_id
 
     @staticmethod
-    def _abort(request: web.Request, ctx: _Ctx) -> None:
+    def _abort(request: web.Request, ctx: Ctx) -> None:
         ctx.dropped = True
         if request.transport is not None:
             request.transport.abort()
@@ -515,7 +308,7 @@ class StubBackend:
         content_type: str = "application/json",
     ) -> web.StreamResponse:
         """Write a body of known length chunk by chunk, honouring chunk delay and mid-body drop."""
-        ctx = request[_CTX]
+        ctx = request[CTX]
         resp = web.StreamResponse(status=status)
         resp.content_type = content_type
         resp.content_length = total
@@ -533,7 +326,7 @@ class StubBackend:
 
     async def _stream(self, request: web.Request, events: Iterable[object]) -> web.StreamResponse:
         """Write an SSE stream one event per write, so readers can watch events arrive."""
-        ctx = request[_CTX]
+        ctx = request[CTX]
         resp = web.StreamResponse(headers=_SSE_HEADERS)
         await resp.prepare(request)
         for i, event in enumerate(events):
@@ -549,18 +342,18 @@ class StubBackend:
         return resp
 
     def _events(self, request: web.Request, default: int) -> int:
-        n = _header_int(request, "X-Stub-Events")
+        n = header_int(request, "X-Stub-Events")
         return default if n is None else max(0, n)
 
     # --- generation routes ---------------------------------------------------------------
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
-        ctx = request[_CTX]
-        body = _parse(await request.read())
-        stream = _lax_bool(body.get("stream"))
+        ctx = request[CTX]
+        body = parse(await request.read())
+        stream = lax_bool(body.get("stream"))
         try:
-            items, batch = _generate_items(body)
-        except _Reject as exc:
+            items, batch = generate_items(body)
+        except Reject as exc:
             if not (stream and exc.admission):
                 raise
             # SGLang reports a refused streaming request in-band: 200, an abort chunk, [DONE].
@@ -569,23 +362,23 @@ class StubBackend:
             return await self._stream(request, [{"text": "", "output_ids": [], "meta_info": meta}])
         if stream:
             return await self._stream(request, self._generate_events(request, items, batch, ctx))
-        outs = [_generate_out(it, it.max_new, ctx.started) for it in items]
+        outs = [generate_out(it, it.max_new, ctx.started) for it in items]
         self._generated_tokens += sum(it.max_new for it in items)
         payload: object = outs if batch else outs[0]
-        target = _header_int(request, "X-Stub-Response-Bytes")
+        target = header_int(request, "X-Stub-Response-Bytes")
         if target is None or not outs:
-            return _json(payload)
-        outs[0]["meta_info"]["output_token_sampling_mask"] = _PAD_SENTINEL
-        head, _, tail = orjson.dumps(payload).partition(orjson.dumps(_PAD_SENTINEL))
+            return json_response(payload)
+        outs[0]["meta_info"]["output_token_sampling_mask"] = PAD_SENTINEL
+        head, _, tail = orjson.dumps(payload).partition(orjson.dumps(PAD_SENTINEL))
         # The row count depends on the target alone, so identical requests get identical bodies
         # whatever the digits of their latencies; blanks then bring the size to the target.
         overhead = len(head) + len(tail) + 2
-        size, padding = _padding(target - PAD_RESERVE, target - overhead)
+        size, padding = padded_rows(target - PAD_RESERVE, target - overhead)
         chunks = itertools.chain([head + b"["], padding, [b"]" + tail])
         return await self._send_chunks(request, chunks, overhead + size)
 
     def _generate_events(
-        self, request: web.Request, items: list[_Item], batch: bool, ctx: _Ctx
+        self, request: web.Request, items: list[Item], batch: bool, ctx: Ctx
     ) -> Iterator[_Json]:
         counts = [self._events(request, it.max_new) for it in items]
         for step in range(1, max(counts, default=0) + 1):
@@ -593,26 +386,26 @@ class StubBackend:
                 if step > n:
                     continue
                 self._generated_tokens += 1
-                out = _generate_out(item, step, ctx.started, final=step == n)
+                out = generate_out(item, step, ctx.started, final=step == n)
                 if batch:
                     out["index"] = index
                 yield out
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        body = _parse(await request.read())
-        stream = _lax_bool(body.get("stream"))
-        with_meta = _lax_bool(body.get("return_meta_info"))
+        body = parse(await request.read())
+        stream = lax_bool(body.get("stream"))
+        with_meta = lax_bool(body.get("return_meta_info"))
         mask_k = None
-        if _lax_bool(body.get("return_sampling_mask")):
-            mask_k = _mask_top_k(body.get("top_k"), body.get("temperature"))
+        if lax_bool(body.get("return_sampling_mask")):
+            mask_k = mask_top_k(body.get("top_k"), body.get("temperature"))
             if not with_meta:
-                raise _Reject("return_sampling_mask requires return_meta_info=true.")
+                raise Reject("return_sampling_mask requires return_meta_info=true.")
         if stream and with_meta:
-            raise _Reject(
+            raise Reject(
                 "return_meta_info is not supported with streaming. "
                 "Please set stream=false when using return_meta_info=true."
             )
-        n = _max_tokens(body.get("max_completion_tokens", body.get("max_tokens")))
+        n = max_tokens(body.get("max_completion_tokens", body.get("max_tokens")))
         base = self._openai_base(body, "chatcmpl-", "chat.completion.chunk")
         if stream:
             # The role rides on the first content delta so that X-Stub-Events counts every event.
@@ -620,29 +413,31 @@ class StubBackend:
                 return {"delta": {"content": piece} | ({"role": "assistant"} if i == 0 else {})}
 
             return await self._choice_stream(request, base, n, delta)
-        prompt = _words(body.get("messages"))
+        prompt = words(body.get("messages"))
         message = {"role": "assistant", "content": self._text(n), "tool_calls": None}
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": "length"}
         if with_meta:
-            item = _Item(prompt, n, mask_k, base["id"])
-            choice["meta_info"] = _generate_out(item, n, request[_CTX].started)["meta_info"]
-        return _json(base | {"object": "chat.completion", "choices": [choice]} | _usage(prompt, n))
+            item = Item(prompt, n, mask_k, base["id"])
+            choice["meta_info"] = generate_out(item, n, request[CTX].started)["meta_info"]
+        return json_response(
+            base | {"object": "chat.completion", "choices": [choice]} | usage(prompt, n)
+        )
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        body = _parse(await request.read())
-        n = _max_tokens(body.get("max_tokens"))
+        body = parse(await request.read())
+        n = max_tokens(body.get("max_tokens"))
         base = self._openai_base(body, "cmpl-", "text_completion")
-        if _lax_bool(body.get("stream")):
+        if lax_bool(body.get("stream")):
             return await self._choice_stream(request, base, n, lambda _, p: {"text": p})
         choice = {"index": 0, "text": self._text(n), "logprobs": None, "finish_reason": "length"}
-        return _json(base | {"choices": [choice]} | _usage(_words(body.get("prompt")), n))
+        return json_response(base | {"choices": [choice]} | usage(words(body.get("prompt")), n))
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
-        body = _parse(await request.read())
-        n = _max_tokens(body.get("max_output_tokens"))
+        body = parse(await request.read())
+        n = max_tokens(body.get("max_output_tokens"))
         base = self._openai_base(body, "resp_", "response")
-        if _lax_bool(body.get("stream")):
-            pieces = _pieces(self._events(request, n))
+        if lax_bool(body.get("stream")):
+            pieces = token_pieces(self._events(request, n))
             self._generated_tokens += len(pieces)
             kind = "response.output_text.delta"
             return await self._stream(
@@ -650,9 +445,9 @@ class StubBackend:
             )
         text = {"type": "output_text", "text": self._text(n), "annotations": []}
         message = {"type": "message", "role": "assistant", "status": "completed", "content": [text]}
-        prompt = _words(body.get("input"))
+        prompt = words(body.get("input"))
         usage = {"input_tokens": prompt, "output_tokens": n, "total_tokens": prompt + n}
-        return _json(base | {"status": "completed", "output": [message], "usage": usage})
+        return json_response(base | {"status": "completed", "output": [message], "usage": usage})
 
     def _openai_base(self, body: _Json, prefix: str, obj: str) -> _Json:
         model = body.get("model")
@@ -662,12 +457,12 @@ class StubBackend:
 
     def _text(self, n: int) -> str:
         self._generated_tokens += n
-        return "".join(_pieces(n))
+        return "".join(token_pieces(n))
 
     async def _choice_stream(
         self, request: web.Request, base: _Json, n: int, part: Callable[[int, str], _Json]
     ) -> web.StreamResponse:
-        pieces = _pieces(self._events(request, n))
+        pieces = token_pieces(self._events(request, n))
         self._generated_tokens += len(pieces)
 
         def event(i: int, piece: str) -> _Json:
@@ -678,11 +473,11 @@ class StubBackend:
         return await self._stream(request, (event(i, p) for i, p in enumerate(pieces)))
 
     async def _vertex(self, request: web.Request) -> web.StreamResponse:
-        body = _parse(await request.read())
+        body = parse(await request.read())
         instances = body.get("instances")
         parameters = body.get("parameters")
         if not isinstance(instances, list) or not instances:
-            return _json([])
+            return json_response([])
         # SGLang builds a batch GenerateReqInput from the instances plus the parameters.
         gen: _Json = dict(parameters) if isinstance(parameters, dict) else {}
         for key in ("text", "input_ids"):
@@ -690,10 +485,12 @@ class StubBackend:
             if isinstance(first, dict) and first.get(key):
                 gen[key] = [inst.get(key) if isinstance(inst, dict) else None for inst in instances]
                 break
-        items, _ = _generate_items(gen)
+        items, _ = generate_items(gen)
         self._generated_tokens += sum(it.max_new for it in items)
-        started = request[_CTX].started
-        return _json({"predictions": [_generate_out(it, it.max_new, started) for it in items]})
+        started = request[CTX].started
+        return json_response(
+            {"predictions": [generate_out(it, it.max_new, started) for it in items]}
+        )
 
     # --- operational routes --------------------------------------------------------------
 
@@ -701,7 +498,7 @@ class StubBackend:
         return web.Response(status=self.health_status)
 
     async def _model_info(self, request: web.Request) -> web.StreamResponse:
-        return _json(
+        return json_response(
             {
                 "model_path": self.model,
                 "tokenizer_path": self.model,
@@ -712,7 +509,7 @@ class StubBackend:
         )
 
     async def _server_info(self, request: web.Request) -> web.StreamResponse:
-        return _json(
+        return json_response(
             {
                 "version": self.version,
                 "model_path": self.model,
@@ -735,7 +532,7 @@ class StubBackend:
             "root": self.model,
             "max_model_len": 32768,
         }
-        return _json({"object": "list", "data": [card]})
+        return json_response({"object": "list", "data": [card]})
 
     async def _abort_request(self, request: web.Request) -> web.StreamResponse:
         return web.Response()
@@ -803,7 +600,3 @@ async def _serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     runtime.run(_serve(_parse_args(argv)))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,3 @@
+from gateway.testing.stub.app import main
+
+main()

@@ -1,0 +1,210 @@
+"""SGLang 0.5.19's rules as the stub plays them: what a request asks for, what SGLang
+refuses and in which shape, and what a generation answers.
+
+Coded independently of the gateway (gateway/contract/), so that the two can check each
+other. The lax readings only approximate SGLang's: `lax_bool` and `lax_int` read the same
+values on every route, where SGLang is lax on chat only (pydantic) and reads `/generate`
+fields with Python truthiness and `SamplingParams.verify()`; they do not reject every value
+pydantic rejects (a float string as an int), and there is no 0.5.23 strict schema. The
+faithful model of how SGLang reads a request is `tests/sglang_model.py`, which the
+differential tests use: the stub serves traffic, it does not judge the gateway's reading.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+TOP_K_ALL = 1 << 30
+
+VOCAB_SIZE = 32000
+
+DEFAULT_MAX_NEW_TOKENS = 16
+
+MAX_NEW_TOKENS_CAP = 4096
+
+MASK_TOP_K_MESSAGE = (
+    "return_sampling_mask requires finite top_k; top_p-only sampling is valid but can return huge"
+    " masks in the tail, blowing up metadata, so we need a safety cap."
+)
+
+GENERATION_PATHS = frozenset(
+    {"/generate", "/v1/chat/completions", "/invocations", "/v1/completions"}
+    | {"/v1/responses", "/vertex_generate"}
+)
+
+_TRUE_STRINGS = frozenset({"true", "t", "y", "yes", "on", "1"})
+
+_Json = dict[str, Any]
+
+
+@dataclass(eq=False)
+class Reject(Exception):
+    """A request SGLang would refuse; `admission` marks refusals a stream reports in-band."""
+
+    message: str
+    status: int = 400
+    parse: bool = False
+    admission: bool = False
+
+
+@dataclass(slots=True)
+class Item:
+    prompt_tokens: int
+    max_new: int
+    mask_k: int | None
+    rid: str
+
+
+def json_response(obj: object, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+
+
+def error(path: str, message: str, status: int, *, parse: bool = False) -> web.Response:
+    if status in (204, 304) or status < 200:
+        return web.Response(status=status)
+    if parse or path.startswith("/v1/") or path == "/invocations":
+        kind = "Bad Request" if parse else "BadRequestError" if status == 400 else _phrase(status)
+        body = {"object": "error", "message": message, "type": kind, "param": None, "code": status}
+        return json_response(body, status)
+    return json_response({"error": {"message": message}}, status)
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
+
+
+def lax_bool(value: object) -> bool:
+    # pydantic's lax booleans; a list (single /generate request) counts when non-empty.
+    if isinstance(value, str):
+        return value.strip().lower() in _TRUE_STRINGS
+    if isinstance(value, bool | int | float | list):
+        return bool(value)
+    return False
+
+
+def lax_int(value: object, name: str) -> int:
+    if isinstance(value, bool | int):
+        return int(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    raise Reject(f"{name} must be an integer, got {value!r}.")
+
+
+def max_tokens(value: object) -> int:
+    n = DEFAULT_MAX_NEW_TOKENS if value is None else lax_int(value, "max_new_tokens")
+    return max(0, min(n, MAX_NEW_TOKENS_CAP))
+
+
+def mask_top_k(top_k: object, temperature: object) -> int:
+    """The row width of a mask-requesting item, or a refusal under SGLang 0.5.19's rule."""
+    if isinstance(temperature, int | float) and 0 <= temperature < 1e-6:
+        return 1  # SGLang forces greedy items to top_k = 1 whatever was sent
+    k = TOP_K_ALL if top_k is None else lax_int(top_k, "top_k")
+    if k == -1:
+        k = TOP_K_ALL
+    if k < 1:
+        raise Reject(f"top_k must be -1 (disable) or at least 1, got {k}.", admission=True)
+    if k == TOP_K_ALL:
+        raise Reject(MASK_TOP_K_MESSAGE, admission=True)
+    return k
+
+
+def mask_meta(n: int, k: int) -> _Json:
+    width = min(k, VOCAB_SIZE)
+    ids = list(range(width))
+    logprobs = [round(-0.01 * (j + 1), 4) for j in range(width)]
+    return {
+        "output_token_sampling_mask": [ids] * n,
+        "output_token_sampling_logprobs": [logprobs] * n,
+        "output_token_sampling_mask_length": [width] * n,
+    }
+
+
+def token_pieces(n: int) -> list[str]:
+    return [f" w{i}" for i in range(n)]
+
+
+def ids(n: int) -> list[int]:
+    return [100 + i for i in range(n)]
+
+
+def words(value: object) -> int:
+    if isinstance(value, str):
+        return max(1, len(value.split()))
+    if isinstance(value, list):
+        if value and all(isinstance(v, int) for v in value):
+            return len(value)  # token ids
+        return sum(words(v) for v in value)
+    if isinstance(value, dict):
+        return words(value.get("content"))
+    return 1
+
+
+def parse(body: bytes) -> _Json:
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise Reject(f"Invalid JSON body: {exc}", parse=True) from exc
+    if not isinstance(obj, dict):
+        raise Reject("Request body must be a JSON object.", parse=True)
+    return obj
+
+
+def generate_items(body: _Json) -> tuple[list[Item], bool]:
+    text, input_ids = body.get("text"), body.get("input_ids")
+    prompts: list[object]
+    if isinstance(text, list):
+        prompts, batch = list(text), True
+    elif isinstance(text, str):
+        prompts, batch = [text], False
+    elif isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list):
+        prompts, batch = list(input_ids), True
+    elif isinstance(input_ids, list):
+        prompts, batch = [input_ids], False
+    else:
+        raise Reject("Either text, input_ids or input_embeds should be provided.")
+    params, mask, rid = (body.get(k) for k in ("sampling_params", "return_sampling_mask", "rid"))
+    items = []
+    for i, prompt in enumerate(prompts):
+        sp = params[i] if isinstance(params, list) and i < len(params) else params
+        sp = sp if isinstance(sp, dict) else {}
+        on = mask[i] if batch and isinstance(mask, list) and i < len(mask) else mask
+        mask_k = mask_top_k(sp.get("top_k"), sp.get("temperature")) if lax_bool(on) else None
+        item_rid = rid[i] if isinstance(rid, list) and i < len(rid) else rid
+        item_rid = item_rid if isinstance(item_rid, str) else uuid.uuid4().hex
+        items.append(Item(words(prompt), max_tokens(sp.get("max_new_tokens")), mask_k, item_rid))
+    return items, batch
+
+
+def generate_out(item: Item, n: int, started: float, *, final: bool = True) -> _Json:
+    meta: _Json = {
+        "id": item.rid,
+        "finish_reason": {"type": "length", "length": n} if final else None,
+        "prompt_tokens": item.prompt_tokens,
+        "weight_version": "default",
+        "completion_tokens": n,
+        "cached_tokens": 0,
+        "e2e_latency": round(time.monotonic() - started, 6),
+    }
+    if item.mask_k is not None and final:
+        meta.update(mask_meta(n, item.mask_k))
+    return {"text": "".join(token_pieces(n)), "output_ids": ids(n), "meta_info": meta}
+
+
+def usage(prompt: int, n: int) -> _Json:
+    return {"usage": {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}}
