@@ -26,7 +26,7 @@ from aiohttp.http_parser import RawResponseMessage
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 
-from gateway.contract import replies as errors
+from gateway.contract import replies
 from gateway.contract.routes import Family
 from gateway.edge.failures import UpstreamBroken
 from gateway.edge.headers import SERVER
@@ -92,7 +92,7 @@ class _RequestHandler(RequestHandler):
             phrase = HTTPStatus(status).phrase
         except ValueError:
             phrase = "Error"
-        body = errors.render(Family.PLAIN, status, phrase)
+        body = replies.render(Family.PLAIN, status, phrase)
         resp = web.Response(status=status, body=body, content_type="application/json")
         resp.headers[SERVER[0]] = SERVER[1]
         resp.force_close()
@@ -131,7 +131,7 @@ _FULL: Final = (
 
 
 def _full_reply() -> bytes:
-    body = errors.render(
+    body = replies.render(
         Family.PLAIN, 503, "The gateway is at its client connection limit; retry later."
     )
     return _FULL % (len(body), body)

@@ -22,7 +22,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from gateway.config import GatewayConfig, header_safe
-from gateway.contract import replies as errors
+from gateway.contract import replies
 from gateway.contract.inspection import check_headers, inspect_body
 from gateway.contract.policy import (
     AdmissionRules,
@@ -211,7 +211,7 @@ class Proxy:
             if request.writer.output_size > 0:
                 raise  # a reply is already under way: aiohttp drops the connection
             family = route.family if route is not None else Family.PLAIN
-            body = errors.render(family, 500, "The gateway failed to handle the request.")
+            body = replies.render(family, 500, "The gateway failed to handle the request.")
             return self._reply(exchange, 500, body, Outcome.GATEWAY_ERROR, close=True)
         finally:
             self.inflight -= 1
@@ -241,9 +241,11 @@ class Proxy:
             if denied is not None:
                 return denied
         if route is None:
-            return self._reply(exchange, 404, errors.NOT_FOUND, Outcome.NOT_FOUND)
+            return self._reply(exchange, 404, replies.NOT_FOUND, Outcome.NOT_FOUND)
         if request.method not in route.methods:
-            resp = self._reply(exchange, 405, errors.METHOD_NOT_ALLOWED, Outcome.METHOD_NOT_ALLOWED)
+            resp = self._reply(
+                exchange, 405, replies.METHOD_NOT_ALLOWED, Outcome.METHOD_NOT_ALLOWED
+            )
             resp.headers["Allow"] = ", ".join(sorted(route.methods))
             return resp
 
@@ -408,7 +410,7 @@ class Proxy:
     def _reject(
         self, exchange: Exchange, family: Family, rejection: Rejection, *, close: bool = False
     ) -> web.Response:
-        body = errors.render_rejection(family, rejection)
+        body = replies.render_rejection(family, rejection)
         exchange.reason = rejection.reason
         if rejection.detail:
             exchange.detail = rejection.detail
@@ -423,7 +425,7 @@ class Proxy:
             message = "The gateway is out of resources for new upstream connections; retry later."
         else:
             message = "No healthy backend is available; retry later."
-        resp = self._reply(exchange, status, errors.render(family, status, message), outcome)
+        resp = self._reply(exchange, status, replies.render(family, status, message), outcome)
         resp.headers["Retry-After"] = "1"
         return resp
 
@@ -513,7 +515,7 @@ class Proxy:
             if status == 504
             else "The backend failed to answer the request."
         )
-        return self._reply(exchange, status, errors.render(family, status, message), outcome)
+        return self._reply(exchange, status, replies.render(family, status, message), outcome)
 
     async def _relay(
         self, request: web.BaseRequest, upstream: UpstreamResponse, exchange: Exchange
