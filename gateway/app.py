@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from pathlib import Path
 from typing import Final
 
 import aiohttp
@@ -18,9 +19,13 @@ from aiohttp import web
 
 from gateway import config as config_mod
 from gateway import runtime
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, header_safe
+from gateway.contract.policy import AdmissionRules, Mode, ParallelSampleCap, SamplingMaskRule
+from gateway.contract.routes import RouteTable
 from gateway.edge.aio import ClientServer
+from gateway.edge.auth import ApiKeys, read_keys_file
 from gateway.edge.clients import AiohttpClients, make_session
+from gateway.edge.headers import ForwardedHeaders
 from gateway.edge.proxy import BUFFERED_BODY_MAX, Proxy, ProxySettings
 from gateway.edge.upstream import Upstream
 from gateway.fleet.discovery import Resolver
@@ -49,6 +54,56 @@ def _bound_port(runner: web.BaseRunner) -> int:
         if isinstance(addr, tuple):
             return int(addr[1])
     raise RuntimeError("listener has no TCP address")
+
+
+def proxy_settings(cfg: GatewayConfig) -> ProxySettings:
+    """Build the settings; reads the key files, so an unreadable one raises OSError and
+    an unusable upstream Authorization file ValueError."""
+    a = cfg.auth
+    keys = None
+    if a.enabled:
+        listed = [k.get_secret_value() for k in a.keys]
+        keys = ApiKeys(listed + (read_keys_file(a.keys_file) if a.keys_file else []))
+    upstream_auth = (
+        a.upstream_authorization.get_secret_value() if a.upstream_authorization else None
+    )
+    if a.upstream_authorization_file:
+        upstream_auth = Path(a.upstream_authorization_file).read_text(encoding="utf-8").strip()
+        if not header_safe(upstream_auth):
+            raise ValueError(
+                f"{a.upstream_authorization_file}: the upstream Authorization value must be "
+                "one line without control characters"
+            )
+    mask = cfg.policy.sampling_mask
+    t = cfg.timeouts
+    b = cfg.backends
+    return ProxySettings(
+        routes=RouteTable(
+            vertex_path=cfg.routes.vertex_path, extra_passthrough=cfg.routes.passthrough
+        ),
+        admission=AdmissionRules(
+            mask=SamplingMaskRule(Mode(mask.mode), default_top_k=mask.default_top_k),
+            samples=ParallelSampleCap(cfg.policy.max_parallel_samples),
+        ),
+        forwarding=ForwardedHeaders(
+            cfg.forwarding.trusted_proxies,
+            upstream_authorization=upstream_auth,
+            strip_client_authorization=a.enabled,
+        ),
+        max_body=cfg.limits.max_body_bytes,
+        max_inspecting=cfg.limits.max_inspecting_bytes,
+        body_timeout=t.body_read_s,
+        attempts=b.connect_attempts,
+        queue_timeout=b.queue_timeout_s,
+        hash_header=b.hash_header if b.balancer == "consistent_hash" else None,
+        connect_s=t.connect_s,
+        ttfb_s=t.ttfb_s,
+        total_s=t.total_s,
+        idle_s=t.idle_s,
+        skip_parse=cfg.policy.skip_parse_without_mask_key,
+        auth=keys,
+        auth_exempt=frozenset(a.exempt_paths),
+    )
 
 
 def _max_connections(cfg: GatewayConfig) -> int:
@@ -136,9 +191,7 @@ class Gateway:
         if cfg.logging.access_log:
             observers.append(AccessLog(cfg.logging.format))
         self._upstream = make_upstream(cfg)
-        self.proxy = Proxy(
-            ProxySettings.from_config(cfg), self._upstream, self.fleet.pool, observers
-        )
+        self.proxy = Proxy(proxy_settings(cfg), self._upstream, self.fleet.pool, observers)
 
         server = ClientServer(
             self.proxy.handle,
@@ -215,7 +268,7 @@ class Gateway:
                 cfg = config_mod.as_reloaded(cfg, self.cfg)
             assert self.proxy is not None
             try:
-                settings = await asyncio.to_thread(ProxySettings.from_config, cfg)
+                settings = await asyncio.to_thread(proxy_settings, cfg)
             except (OSError, ValueError) as exc:
                 self.reload_failures += 1
                 log.error("reload refused, keeping the running config: %s", exc)

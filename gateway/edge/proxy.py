@@ -14,29 +14,25 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Final
 
 import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from gateway.config import GatewayConfig, header_safe
 from gateway.contract import replies
 from gateway.contract.inspection import check_headers, inspect_body
 from gateway.contract.policy import (
     AdmissionRules,
     Mode,
-    ParallelSampleCap,
     Rejection,
-    SamplingMaskRule,
 )
 from gateway.contract.replies import Outcome
 from gateway.contract.routes import Family, Route, RouteTable, canonical_path
 from gateway.contract.skim import SKIM_MIN_BODY
 from gateway.edge.admission import inspect_large
 from gateway.edge.aio import CoalescingResponse
-from gateway.edge.auth import ApiKeys, read_keys_file
+from gateway.edge.auth import ApiKeys
 from gateway.edge.budget import InspectionBudget, parse_cost
 from gateway.edge.headers import REQUEST_ID, SERVER, ForwardedHeaders, valid_request_id
 from gateway.edge.upstream import ConnectFailed, Upstream, UpstreamBroken, UpstreamResponse
@@ -78,7 +74,7 @@ class ProxySettings:
     """Everything the request path reads from config, swapped whole on reload.
 
     A request captures the settings once at its start, so a reload never changes the
-    rules in the middle of one.
+    rules in the middle of one. Built from the config by app.proxy_settings.
     """
 
     routes: RouteTable
@@ -97,56 +93,6 @@ class ProxySettings:
     skip_parse: bool  # forward bodies that cannot hold the mask key without parsing
     auth: ApiKeys | None  # None: no client authentication
     auth_exempt: frozenset[str]
-
-    @classmethod
-    def from_config(cls, cfg: GatewayConfig) -> ProxySettings:
-        """Build the settings; reads the key files, so an unreadable one raises OSError and
-        an unusable upstream Authorization file ValueError."""
-        a = cfg.auth
-        keys = None
-        if a.enabled:
-            listed = [k.get_secret_value() for k in a.keys]
-            keys = ApiKeys(listed + (read_keys_file(a.keys_file) if a.keys_file else []))
-        upstream_auth = (
-            a.upstream_authorization.get_secret_value() if a.upstream_authorization else None
-        )
-        if a.upstream_authorization_file:
-            upstream_auth = Path(a.upstream_authorization_file).read_text(encoding="utf-8").strip()
-            if not header_safe(upstream_auth):
-                raise ValueError(
-                    f"{a.upstream_authorization_file}: the upstream Authorization value must be "
-                    "one line without control characters"
-                )
-        mask = cfg.policy.sampling_mask
-        t = cfg.timeouts
-        b = cfg.backends
-        return cls(
-            routes=RouteTable(
-                vertex_path=cfg.routes.vertex_path, extra_passthrough=cfg.routes.passthrough
-            ),
-            admission=AdmissionRules(
-                mask=SamplingMaskRule(Mode(mask.mode), default_top_k=mask.default_top_k),
-                samples=ParallelSampleCap(cfg.policy.max_parallel_samples),
-            ),
-            forwarding=ForwardedHeaders(
-                cfg.forwarding.trusted_proxies,
-                upstream_authorization=upstream_auth,
-                strip_client_authorization=a.enabled,
-            ),
-            max_body=cfg.limits.max_body_bytes,
-            max_inspecting=cfg.limits.max_inspecting_bytes,
-            body_timeout=t.body_read_s,
-            attempts=b.connect_attempts,
-            queue_timeout=b.queue_timeout_s,
-            hash_header=b.hash_header if b.balancer == "consistent_hash" else None,
-            connect_s=t.connect_s,
-            ttfb_s=t.ttfb_s,
-            total_s=t.total_s,
-            idle_s=t.idle_s,
-            skip_parse=cfg.policy.skip_parse_without_mask_key,
-            auth=keys,
-            auth_exempt=frozenset(a.exempt_paths),
-        )
 
 
 class Proxy:

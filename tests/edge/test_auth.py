@@ -11,10 +11,9 @@ import orjson
 import pytest
 
 from gateway import config as config_mod
-from gateway.app import Gateway
+from gateway.app import Gateway, proxy_settings
 from gateway.edge import auth as auth_mod
 from gateway.edge.auth import ApiKeys
-from gateway.edge.proxy import ProxySettings
 from gateway.testing.stub import StubBackend
 from tests.conftest import GatewayFactory, gw_url, last_proxied
 
@@ -195,4 +194,4 @@ async def test_upstream_credentials_file_of_two_lines_is_refused(tmp_path: Path)
         }
     )
     with pytest.raises(ValueError, match="one line"):
-        ProxySettings.from_config(cfg)
+        proxy_settings(cfg)
