@@ -25,6 +25,7 @@ from gateway.contract.routes import RouteTable
 from gateway.edge.aio import ClientServer
 from gateway.edge.auth import ApiKeys, read_keys_file
 from gateway.edge.clients import AiohttpClients, make_session
+from gateway.edge.control import ControlAccess
 from gateway.edge.headers import ForwardedHeaders
 from gateway.edge.proxy import BUFFERED_BODY_MAX, Proxy, ProxySettings
 from gateway.edge.upstream import Upstream
@@ -77,6 +78,10 @@ def proxy_settings(cfg: GatewayConfig) -> ProxySettings:
     mask = cfg.policy.sampling_mask
     t = cfg.timeouts
     b = cfg.backends
+    control = cfg.control
+    control_keys = [k.get_secret_value() for k in control.keys]
+    if control.keys_file:
+        control_keys += read_keys_file(control.keys_file)
     return ProxySettings(
         routes=RouteTable(
             vertex_path=cfg.routes.vertex_path, extra_passthrough=cfg.routes.passthrough
@@ -103,6 +108,13 @@ def proxy_settings(cfg: GatewayConfig) -> ProxySettings:
         skip_parse=cfg.policy.skip_parse_without_mask_key,
         auth=keys,
         auth_exempt=frozenset(a.exempt_paths),
+        control_access=ControlAccess.build(control_keys, control.trusted_cidrs),
+        control_forwarding=ForwardedHeaders(
+            cfg.forwarding.trusted_proxies,
+            upstream_authorization=upstream_auth,
+            strip_client_authorization=True,
+        ),
+        control_timeout=control.timeout_s,
     )
 
 
@@ -166,6 +178,11 @@ class Gateway:
         if server is None:
             return 0, 0, 0
         return server.open_connections, server.max_connections, server.connections_refused
+
+    @property
+    def control_counts(self) -> dict[tuple[str, str], int]:
+        """Fleet control calls by (route, result: ok, failed, forbidden)."""
+        return self.proxy.fanout.counts if self.proxy is not None else {}
 
     @property
     def refused_requests(self) -> dict[int, int]:

@@ -289,6 +289,26 @@ class AuthConfig(_Model):
         return self
 
 
+class ControlConfig(_Model):
+    """Who may call the fleet control routes (pause, weight updates, abort...) and how long a
+    fanned-out call may take. A client key (auth.keys) never grants control."""
+
+    # Operator bearer keys (prefer keys_file: rotated by editing it and sending SIGHUP).
+    keys: list[SecretStr] = Field(default_factory=list)
+    keys_file: str | None = None
+    # Callers from these networks need no key. Loopback by default: the RL driver on the
+    # gateway's own host.
+    trusted_cidrs: list[Cidr] = Field(default_factory=lambda: ["127.0.0.0/8", "::1/128"])
+    # The deadline of one fanned-out call, per backend (a weight update from disk takes time).
+    timeout_s: Seconds = 120.0
+
+    @model_validator(mode="after")
+    def _readable(self) -> ControlConfig:
+        if self.keys_file is not None and not Path(self.keys_file).is_file():
+            raise ValueError(f"keys_file {self.keys_file!r} is not a readable file")
+        return self
+
+
 def header_safe(value: str) -> bool:
     """A value the gateway may put in an HTTP header line: no CR, LF or other controls."""
     return value.isprintable()
@@ -310,6 +330,7 @@ class GatewayConfig(_Model):
     routes: RoutesConfig = RoutesConfig()
     forwarding: ForwardingConfig = ForwardingConfig()
     auth: AuthConfig = AuthConfig()
+    control: ControlConfig = ControlConfig()
     logging: LoggingConfig = LoggingConfig()
     reload: ReloadConfig = ReloadConfig()
 

@@ -164,8 +164,8 @@ class AdmissionRules:
                     return self._check_openai(body, chat=True)
                 case Kind.COMPLETIONS | Kind.RESPONSES:
                     return self._check_openai(body, chat=False)
-                case Kind.PASSTHROUGH:
-                    return None  # never inspected: the route table forwards it as it is
+                case Kind.PASSTHROUGH | Kind.CONTROL:
+                    return None  # never inspected: forwarded, or fanned out, as it is
                 case _:
                     assert_never(kind)
         except Invalid as exc:

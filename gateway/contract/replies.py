@@ -81,4 +81,5 @@ class Outcome(enum.StrEnum):
     UPSTREAM_TIMEOUT = "upstream_timeout"
     UPSTREAM_BROKEN = "upstream_broken"
     CLIENT_DISCONNECT = "client_disconnect"
+    CONTROL_FAILED = "control_failed"  # a fanned-out control call failed on some backend
     GATEWAY_ERROR = "gateway_error"

@@ -24,6 +24,7 @@ class Kind(enum.Enum):
     COMPLETIONS = "completions"  # CompletionRequest: no mask field (ignored by SGLang)
     RESPONSES = "responses"  # ResponsesRequest: read like chat, fail closed
     PASSTHROUGH = "passthrough"  # operational routes, forwarded uninspected
+    CONTROL = "control"  # fleet operations: sent to every backend, operators only
 
 
 class Family(enum.Enum):
@@ -53,7 +54,7 @@ class Route:
 
     @property
     def inspected(self) -> bool:
-        return self.kind is not Kind.PASSTHROUGH
+        return self.kind is not Kind.PASSTHROUGH and self.kind is not Kind.CONTROL
 
 
 GENERATION_ROUTES: Mapping[str, tuple[Kind, frozenset[str]]] = {
@@ -74,8 +75,24 @@ OPERATIONAL_ROUTES: Mapping[str, frozenset[str]] = {
     "/get_server_info": _GET,
     "/v1/models": _GET,
     "/metrics": _GET,
-    "/abort_request": frozenset({"POST"}),
+}
+
+_POST = frozenset({"POST"})
+# SGLang's engine operations that act on an engine as a whole (docs/sglang-contract.md s.9):
+# an RL framework means them for the whole fleet, so each is sent to every backend
+# (gateway/edge/control.py), and only operators may call them.
+CONTROL_ROUTES: Mapping[str, frozenset[str]] = {
+    "/abort_request": _POST,
     "/flush_cache": frozenset({"GET", "POST"}),
+    "/pause_generation": _POST,
+    "/continue_generation": _POST,
+    "/update_weights_from_disk": _POST,
+    "/release_memory_occupation": _POST,
+    "/resume_memory_occupation": _POST,
+    "/start_profile": _POST,
+    "/stop_profile": _POST,
+    "/v1/loads": _GET,
+    "/get_loads": _GET,
 }
 
 
@@ -110,6 +127,8 @@ class RouteTable:
         )
         for path, methods in OPERATIONAL_ROUTES.items():
             by_path[path] = Route(path, Kind.PASSTHROUGH, methods, Family.PLAIN)
+        for path, methods in CONTROL_ROUTES.items():
+            by_path[path] = Route(path, Kind.CONTROL, methods, Family.PLAIN)
         for configured in extra_passthrough:
             # Stored canonical, so an encoded spelling of a generation route cannot be
             # configured past the check below and then match before decoding.
@@ -117,6 +136,9 @@ class RouteTable:
             if path in by_path and by_path[path].inspected:
                 # An inspected route configured as passthrough would be a hole in the filter.
                 raise ValueError(f"{path} is a generation route and cannot be passthrough")
+            if path in by_path and by_path[path].kind is Kind.CONTROL:
+                # Forwarded to one backend, a fleet operation would reach one engine of N.
+                raise ValueError(f"{path} is a fleet control route and cannot be passthrough")
             by_path[path] = Route(
                 path,
                 Kind.PASSTHROUGH,

@@ -28,12 +28,13 @@ from gateway.contract.policy import (
     Rejection,
 )
 from gateway.contract.replies import Outcome
-from gateway.contract.routes import Family, Route, RouteTable, canonical_path
+from gateway.contract.routes import Family, Kind, Route, RouteTable, canonical_path
 from gateway.contract.skim import SKIM_MIN_BODY
 from gateway.edge.admission import inspect_large
 from gateway.edge.aio import CoalescingResponse
 from gateway.edge.auth import ApiKeys
 from gateway.edge.budget import InspectionBudget, parse_cost
+from gateway.edge.control import ControlAccess, FanOut, log_action, reply_body
 from gateway.edge.headers import REQUEST_ID, SERVER, ForwardedHeaders, valid_request_id
 from gateway.edge.upstream import ConnectFailed, Upstream, UpstreamBroken, UpstreamResponse
 from gateway.fleet.pool import Backend, BackendPool
@@ -93,6 +94,9 @@ class ProxySettings:
     skip_parse: bool  # forward bodies that cannot hold the mask key without parsing
     auth: ApiKeys | None  # None: no client authentication
     auth_exempt: frozenset[str]
+    control_access: ControlAccess
+    control_forwarding: ForwardedHeaders  # never passes the caller's Authorization on
+    control_timeout: float
 
 
 class Proxy:
@@ -112,6 +116,7 @@ class Proxy:
         self._ids = _RequestIds()
         self.inflight = 0
         self.budget = InspectionBudget(settings.max_inspecting)
+        self.fanout = FanOut(upstream)
         self._idle: asyncio.Event | None = None  # only while someone waits for idleness
 
     async def wait_idle(self) -> None:
@@ -175,6 +180,9 @@ class Proxy:
         raw_path: str,
         exchange: Exchange,
     ) -> web.StreamResponse:
+        if route is not None and route.kind is Kind.CONTROL:
+            # Operators only, by their own keys or address: a client key grants nothing here.
+            return await self._control(request, settings, route, raw_path, exchange)
         if settings.auth is not None:
             denied = self._authenticate(
                 request,
@@ -189,11 +197,7 @@ class Proxy:
         if route is None:
             return self._reply(exchange, 404, replies.NOT_FOUND, Outcome.NOT_FOUND)
         if request.method not in route.methods:
-            resp = self._reply(
-                exchange, 405, replies.METHOD_NOT_ALLOWED, Outcome.METHOD_NOT_ALLOWED
-            )
-            resp.headers["Allow"] = ", ".join(sorted(route.methods))
-            return resp
+            return self._wrong_method(exchange, route)
 
         headers = request.headers
         encodings = headers.getall("Content-Encoding", None)
@@ -287,6 +291,83 @@ class Proxy:
         resp = self._reject(exchange, family, denied, close=request.body_exists)
         resp.headers["WWW-Authenticate"] = "Bearer"
         return resp
+
+    def _wrong_method(self, exchange: Exchange, route: Route) -> web.Response:
+        resp = self._reply(exchange, 405, replies.METHOD_NOT_ALLOWED, Outcome.METHOD_NOT_ALLOWED)
+        resp.headers["Allow"] = ", ".join(sorted(route.methods))
+        return resp
+
+    # -- fleet control -----------------------------------------------------------------
+
+    async def _control(
+        self,
+        request: web.BaseRequest,
+        settings: ProxySettings,
+        route: Route,
+        raw_path: str,
+        exchange: Exchange,
+    ) -> web.StreamResponse:
+        fanout = self.fanout
+        caller = settings.control_access.caller(
+            request.headers.get("Authorization"), request.remote
+        )
+        if caller is None:
+            fanout.count(route.path, "forbidden")
+            denied = Rejection(
+                403,
+                "control",
+                "forbidden",
+                "Fleet control routes need an operator key (control.keys) or a caller from "
+                "control.trusted_cidrs.",
+            )
+            return self._reject(exchange, Family.PLAIN, denied, close=request.body_exists)
+        if request.method not in route.methods:
+            return self._wrong_method(exchange, route)
+        try:
+            body = await self._read_body(request, settings, exchange)
+        except _TooLarge:
+            too_large = Rejection(
+                413,
+                "request_body",
+                "too_large",
+                f"Request body exceeds the gateway's limit of {settings.max_body} bytes.",
+            )
+            return self._reject(exchange, Family.PLAIN, too_large, close=True)
+        except TimeoutError:
+            slow = Rejection(
+                408, "request_body", "body_timeout", "Request body was not received in time."
+            )
+            return self._reject(exchange, Family.PLAIN, slow, close=True)
+        urls = [b.url for b in self._pool.backends]
+        if not urls:
+            fanout.count(route.path, "failed")
+            return self._unavailable(exchange, Family.PLAIN, Outcome.NO_BACKEND)
+        headers = settings.control_forwarding.upstream(
+            request.headers.items(),
+            peer=request.remote,
+            scheme=request.scheme,
+            request_id=exchange.request_id,
+        )
+        exchange.first_byte = time.perf_counter()
+        results = await fanout.call(
+            urls,
+            request.method,
+            raw_path,
+            headers,
+            body if request.body_exists else None,
+            connect_s=settings.connect_s,
+            timeout_s=settings.control_timeout,
+        )
+        log_action(route.path, caller, request.remote, results)
+        ok = all(r.ok for r in results)
+        fanout.count(route.path, "ok" if ok else "failed")
+        exchange.attempts = len(results)
+        return self._reply(
+            exchange,
+            200 if ok else 502,
+            reply_body(results),
+            Outcome.OK if ok else Outcome.CONTROL_FAILED,
+        )
 
     # -- request body ----------------------------------------------------------------
 

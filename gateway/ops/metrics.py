@@ -361,6 +361,9 @@ class _GatewayView(Protocol):
     @property
     def client_connections(self) -> tuple[int, int, int]: ...
 
+    @property
+    def control_counts(self) -> dict[tuple[str, str], int]: ...
+
 
 class FleetCollector(Collector):
     """Counters owned by other objects (discovery, reload), read at scrape time."""
@@ -402,6 +405,16 @@ class FleetCollector(Collector):
         for status, count in sorted(self._gw.refused_requests.items()):
             refused.add_metric([str(status)], float(count))
         yield refused
+        control = CounterMetricFamily(
+            p + "control_requests",
+            "Fleet control calls (sent to every backend) by route and result: ok (every "
+            "backend answered 2xx), failed (some did not: 502), forbidden (no operator "
+            "credential: 403).",
+            labels=["route", "result"],
+        )
+        for (route, result), count in sorted(self._gw.control_counts.items()):
+            control.add_metric([route, result], float(count))
+        yield control
         open_conns, limit, conns_refused = self._gw.client_connections
         yield GaugeMetricFamily(
             p + "client_connections", "Client connections open.", value=float(open_conns)

@@ -67,8 +67,19 @@ OPERATIONAL = [
     "/server_info",
     "/get_server_info",
     "/v1/models",
+]
+CONTROL = [
     "/abort_request",
     "/flush_cache",
+    "/pause_generation",
+    "/continue_generation",
+    "/update_weights_from_disk",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+    "/start_profile",
+    "/stop_profile",
+    "/v1/loads",
+    "/get_loads",
 ]
 
 
@@ -80,6 +91,17 @@ def test_operational_routes_pass_through(path: str) -> None:
     assert route.path == path.rstrip("/")
     assert not route.inspected
     assert route.family is Family.PLAIN
+
+
+@pytest.mark.parametrize("path", CONTROL)
+def test_fleet_control_routes_are_their_own_kind(path: str) -> None:
+    route = TABLE.match(path)
+    assert route is not None and route.kind is Kind.CONTROL and not route.inspected
+
+
+def test_a_control_route_cannot_be_made_passthrough() -> None:
+    with pytest.raises(ValueError, match="fleet control route"):
+        RouteTable(extra_passthrough=["/pause_generation"])
 
 
 def test_operational_methods() -> None:

@@ -147,6 +147,15 @@ class StubBackend:
             ("GET", "/get_server_info", self._server_info),
             ("GET", "/v1/models", self._models),
             ("POST", "/abort_request", self._abort_request),
+            ("POST", "/pause_generation", self._engine_op),
+            ("POST", "/continue_generation", self._engine_op),
+            ("POST", "/update_weights_from_disk", self._engine_op),
+            ("POST", "/release_memory_occupation", self._engine_op),
+            ("POST", "/resume_memory_occupation", self._engine_op),
+            ("POST", "/start_profile", self._engine_op),
+            ("POST", "/stop_profile", self._engine_op),
+            ("GET", "/v1/loads", self._loads),
+            ("GET", "/get_loads", self._loads),
             ("GET", "/flush_cache", self._flush_cache),
             ("POST", "/flush_cache", self._flush_cache),
             ("GET", "/metrics", self._metrics),
@@ -536,6 +545,15 @@ class StubBackend:
 
     async def _abort_request(self, request: web.Request) -> web.StreamResponse:
         return web.Response()
+
+    async def _engine_op(self, request: web.Request) -> web.StreamResponse:
+        # SGLang answers its engine operations with {"success": ..., "message": ...}.
+        return json_response({"success": True, "message": f"{request.path[1:]} done"})
+
+    async def _loads(self, request: web.Request) -> web.StreamResponse:
+        return json_response(
+            {"loads": [{"dp_rank": 0, "num_running_reqs": self._running, "num_waiting_reqs": 0}]}
+        )
 
     async def _flush_cache(self, request: web.Request) -> web.StreamResponse:
         return web.Response(text="Cache flushed.\nPlease check backend logs for more details.\n")

@@ -1,0 +1,206 @@
+"""Fleet control: SGLang's engine operations sent to every backend at once.
+
+An RL framework pauses, updates weights, continues and aborts its whole fleet; behind a
+router that picks one backend, each such call reaches one engine of N. Here each control
+route (contract/routes.py CONTROL_ROUTES) goes to every member of the pool concurrently,
+the body byte for byte, each with its own deadline, and the reply lists what every backend
+answered: 200 only when every one answered 2xx, else 502, so a failure on one engine of
+many is never hidden.
+
+Only operators may call these routes: a key from `control.keys` or a caller from
+`control.trusted_cidrs`; a client key (auth.keys) never grants control. Every call is logged
+with its caller and each backend's status, and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import ipaddress
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import orjson
+
+from gateway.edge.auth import ApiKeys
+from gateway.edge.failures import ConnectFailed, UpstreamBroken
+from gateway.edge.upstream import Upstream
+
+log = logging.getLogger("gateway.control")
+
+# Bytes of a backend's answer kept in the reply when it is not JSON (or too large to relay).
+EXCERPT_BYTES: Final = 4096
+# A backend's JSON answer is relayed whole up to this size.
+MAX_RELAYED_BYTES: Final = 1 << 20
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def worker_id(url: str) -> str:
+    """A backend's id in control replies and the worker registry: stable across gateway
+    replicas and restarts (derived from the URL alone)."""
+    return hashlib.blake2b(url.encode(), digest_size=6).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class ControlAccess:
+    """Who may call control routes."""
+
+    keys: ApiKeys | None
+    trusted: tuple[Network, ...]
+
+    @classmethod
+    def build(cls, keys: Sequence[str], trusted_cidrs: Iterable[str]) -> ControlAccess:
+        return cls(
+            ApiKeys(keys) if keys else None,
+            tuple(ipaddress.ip_network(c, strict=False) for c in trusted_cidrs),
+        )
+
+    def caller(self, authorization: str | None, peer: str | None) -> str | None:
+        """How the caller is allowed ("key" or "trusted"), or None when it is not."""
+        if self.keys is not None and authorization and self.keys.check(authorization) is None:
+            return "key"
+        if peer is not None and self.trusted:
+            try:
+                addr = ipaddress.ip_address(peer)
+            except ValueError:
+                return None
+            if any(addr in net for net in self.trusted):
+                return "trusted"
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class BackendResult:
+    url: str
+    status: int  # the backend's status; 0 when it could not be asked or did not answer
+    body: Any  # its JSON answer, or an excerpt of its text, or the gateway's explanation
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "id": worker_id(self.url),
+            "url": self.url,
+            "status": self.status,
+            "body": self.body,
+        }
+
+
+class FanOut:
+    """Send one control call to every backend and gather their answers."""
+
+    def __init__(self, upstream: Upstream) -> None:
+        self._upstream = upstream
+        # (route, result) -> count; result is ok, failed or forbidden.
+        self.counts: dict[tuple[str, str], int] = {}
+
+    def count(self, route: str, result: str) -> None:
+        key = (route, result)
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    async def call(
+        self,
+        urls: Sequence[str],
+        method: str,
+        target: str,
+        headers: list[tuple[str, str]],
+        body: bytes | None,
+        *,
+        connect_s: float,
+        timeout_s: float,
+    ) -> list[BackendResult]:
+        return list(
+            await asyncio.gather(
+                *(
+                    self._one(
+                        url,
+                        method,
+                        target,
+                        headers,
+                        body,
+                        connect_s=connect_s,
+                        timeout_s=timeout_s,
+                    )
+                    for url in urls
+                )
+            )
+        )
+
+    async def _one(
+        self,
+        url: str,
+        method: str,
+        target: str,
+        headers: list[tuple[str, str]],
+        body: bytes | None,
+        *,
+        connect_s: float,
+        timeout_s: float,
+    ) -> BackendResult:
+        try:
+            async with asyncio.timeout(timeout_s):
+                resp = await self._upstream.request(
+                    url,
+                    method,
+                    target,
+                    headers,
+                    body,
+                    connect_s=connect_s,
+                    ttfb_s=timeout_s,
+                    total_s=timeout_s,
+                )
+                try:
+                    data = await _read_bounded(resp.content, MAX_RELAYED_BYTES)
+                except BaseException:
+                    resp.close()
+                    raise
+                if data is None:
+                    resp.close()
+                    return BackendResult(url, resp.status, "answer too large to relay")
+                resp.release()
+        except ConnectFailed as exc:
+            return BackendResult(url, 0, f"could not connect ({exc.cause})")
+        except TimeoutError:
+            return BackendResult(url, 0, f"no answer within {timeout_s:g} s")
+        except (UpstreamBroken, OSError, ValueError) as exc:
+            return BackendResult(url, 0, f"broken answer ({type(exc).__name__})")
+        except Exception as exc:  # aiohttp's parser errors: the exchange broke
+            return BackendResult(url, 0, f"broken answer ({type(exc).__name__})")
+        return BackendResult(url, resp.status, _decode(data))
+
+
+async def _read_bounded(content: Any, limit: int) -> bytes | None:
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await content.readany():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _decode(data: bytes) -> Any:
+    if not data:
+        return None
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return data[:EXCERPT_BYTES].decode("utf-8", "replace")
+
+
+def reply_body(results: Sequence[BackendResult]) -> bytes:
+    return orjson.dumps(
+        {"success": all(r.ok for r in results), "results": [r.as_json() for r in results]}
+    )
+
+
+def log_action(route: str, caller: str, peer: str | None, results: Sequence[BackendResult]) -> None:
+    """One line per control call: who, what, and each backend's status (no bodies)."""
+    outcome = ", ".join(f"{r.url}={r.status or 'failed'}" for r in results) or "no backends"
+    log.info("control %s by %s (%s): %s", route, caller, peer or "-", outcome)

@@ -1,0 +1,195 @@
+"""Fleet control: SGLang's engine operations go to every backend, operators only.
+
+Three real stubs behind a real gateway; each control call must reach each of them exactly
+once with the body byte for byte, answer 200 only when all of them answered 2xx, list every
+backend's answer, and refuse callers without an operator credential.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import orjson
+import pytest
+
+from gateway.app import Gateway
+from gateway.edge.control import worker_id
+from gateway.testing.stub import StubBackend
+from tests.conftest import GatewayFactory, gw_url
+from tests.hardening.rawnet import ScriptedBackend
+
+OPERATOR = "op-key-1"
+CLIENT = "client-key-1"
+FAN_OUT = [
+    ("POST", "/abort_request", b'{"abort_all": true}'),
+    ("POST", "/flush_cache", b""),
+    ("GET", "/flush_cache", b""),
+    ("POST", "/pause_generation", b'{"mode": "abort"}'),
+    ("POST", "/continue_generation", b"{}"),
+    ("POST", "/update_weights_from_disk", b'{"model_path": "/m", "weight_version": "v2"}'),
+    ("POST", "/release_memory_occupation", b'{"tags": ["kv_cache"]}'),
+    ("POST", "/resume_memory_occupation", b'{"tags": ["kv_cache"]}'),
+    ("POST", "/start_profile", b"{}"),
+    ("POST", "/stop_profile", b"{}"),
+    ("GET", "/v1/loads", b""),
+    ("GET", "/get_loads", b""),
+]
+
+
+@pytest.fixture
+async def stubs() -> AsyncIterator[list[StubBackend]]:
+    backends = [StubBackend() for _ in range(3)]
+    for b in backends:
+        await b.start()
+    yield backends
+    for b in backends:
+        await b.stop()
+
+
+def _proxied(stub: StubBackend, path: str) -> list[bytes]:
+    return [r.body for r in stub.received if r.path == path and "X-Forwarded-For" in r.headers]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), FAN_OUT)
+async def test_each_control_call_reaches_every_backend_once(
+    stubs: list[StubBackend], make_gateway: GatewayFactory, method: str, path: str, body: bytes
+) -> None:
+    gw = await make_gateway(*(s.url for s in stubs))
+    async with (
+        aiohttp.ClientSession() as s,
+        s.request(method, gw_url(gw, path), data=body or None) as r,
+    ):
+        assert r.status == 200
+        reply = await r.json()
+    assert reply["success"] is True
+    assert [(x["url"], x["status"]) for x in reply["results"]] == [(b.url, 200) for b in stubs]
+    assert [x["id"] for x in reply["results"]] == [worker_id(b.url) for b in stubs]
+    for stub in stubs:
+        assert _proxied(stub, path) == [body]  # once each, byte for byte
+
+
+class _Failing(ScriptedBackend):
+    async def answer(self, head: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(
+            b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/plain\r\n"
+            b"Content-Length: 11\r\n\r\nengine died"
+        )
+        return True
+
+
+class _Hanging(ScriptedBackend):
+    async def answer(self, head: bytes, writer: asyncio.StreamWriter) -> bool:
+        if head.startswith(b"GET /health"):
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+            return True
+        await asyncio.sleep(30)
+        return False
+
+
+async def test_one_failing_engine_turns_the_reply_into_a_502_naming_it(
+    stubs: list[StubBackend], make_gateway: GatewayFactory
+) -> None:
+    failing, hanging = _Failing(), _Hanging()
+    bad_url, slow_url = await failing.start(), await hanging.start()
+    try:
+        gw = await make_gateway(
+            stubs[0].url,
+            bad_url,
+            slow_url,
+            backends={"health": {"enabled": False}},
+            control={"timeout_s": 0.5},
+        )
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(gw_url(gw, "/pause_generation"), data=b'{"mode": "abort"}') as r,
+        ):
+            assert r.status == 502
+            reply = await r.json()
+        assert reply["success"] is False
+        by_url = {x["url"]: x for x in reply["results"]}
+        assert by_url[stubs[0].url]["status"] == 200
+        assert by_url[bad_url] == {
+            "id": worker_id(bad_url),
+            "url": bad_url,
+            "status": 500,
+            "body": "engine died",
+        }
+        assert by_url[slow_url]["status"] == 0
+        assert "no answer within 0.5 s" in by_url[slow_url]["body"]
+        assert _proxied(stubs[0], "/pause_generation") == [b'{"mode": "abort"}']
+        text = await _metrics(gw)
+        assert (
+            'sglang_gateway_control_requests_total{result="failed",route="/pause_generation"}'
+            in (text)
+        )
+    finally:
+        await failing.stop()
+        await hanging.stop()
+
+
+async def _metrics(gw: Gateway) -> str:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.get(f"http://127.0.0.1:{gw.admin_port}/metrics") as r,
+    ):
+        return await r.text()
+
+
+async def test_only_operators_control_the_fleet(
+    stubs: list[StubBackend], make_gateway: GatewayFactory, tmp_path: Path
+) -> None:
+    keys = tmp_path / "clients.txt"
+    keys.write_text(CLIENT + "\n")
+    gw = await make_gateway(
+        stubs[0].url,
+        auth={"enabled": True, "keys_file": str(keys), "upstream_authorization": "Bearer up"},
+        control={"keys": [OPERATOR], "trusted_cidrs": []},  # loopback is not trusted here
+    )
+    async with aiohttp.ClientSession() as s:
+        for headers in ({}, {"Authorization": f"Bearer {CLIENT}"}, {"Authorization": "Bearer x"}):
+            async with s.post(gw_url(gw, "/pause_generation"), headers=headers, data=b"{}") as r:
+                assert r.status == 403
+                assert "operator key" in (await r.json())["detail"]
+        assert _proxied(stubs[0], "/pause_generation") == []
+        op = {"Authorization": f"Bearer {OPERATOR}"}
+        async with s.post(gw_url(gw, "/pause_generation"), headers=op, data=b"{}") as r:
+            assert r.status == 200
+        # The operator's key is not passed on: the backend gets the configured credential.
+        sent = [r for r in stubs[0].received if r.path == "/pause_generation"][-1]
+        assert sent.headers.getall("Authorization") == ["Bearer up"]
+        # A client key still works for generation, and never for control.
+        client = {"Authorization": f"Bearer {CLIENT}", "Content-Type": "application/json"}
+        body = orjson.dumps({"text": "x", "sampling_params": {"top_k": 2}})
+        async with s.post(gw_url(gw, "/generate"), headers=client, data=body) as r:
+            assert r.status == 200
+    text = await _metrics(gw)
+    assert (
+        'sglang_gateway_control_requests_total{result="forbidden",route="/pause_generation"} 3.0'
+        in text
+    )
+    assert (
+        'sglang_gateway_control_requests_total{result="ok",route="/pause_generation"} 1.0' in text
+    )
+
+
+async def test_loopback_is_trusted_by_default_and_a_dead_member_is_named(
+    make_gateway: GatewayFactory,
+) -> None:
+    gone = StubBackend()
+    await gone.start()
+    url = gone.url
+    await gone.stop()  # nothing listens there any more
+    gw = await make_gateway(url, backends={"health": {"enabled": False}})
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(gw_url(gw, "/flush_cache")) as r,
+    ):
+        assert r.status == 502
+        (result,) = (await r.json())["results"]
+    assert result["url"] == url and result["status"] == 0
+    assert result["body"].startswith("could not connect")
+    # A control call that failed to connect never ejects the backend: it is no traffic.
+    assert not gw.pool.ejected(gw.pool.backends[0])
