@@ -208,7 +208,7 @@ class Gateway:
         if cfg.logging.access_log:
             observers.append(AccessLog(cfg.logging.format))
         self._upstream = make_upstream(cfg)
-        self.proxy = Proxy(proxy_settings(cfg), self._upstream, self.fleet.pool, observers)
+        self.proxy = Proxy(proxy_settings(cfg), self._upstream, self.fleet, observers)
 
         server = ClientServer(
             self.proxy.handle,

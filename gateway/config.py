@@ -37,7 +37,8 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
-def _backend_url(value: str) -> str:
+def normalize_backend_url(value: str) -> str:
+    """scheme://host:port of a backend URL, or ValueError saying what is wrong with it."""
     parts = urlsplit(value)
     if parts.scheme not in ("http", "https"):
         raise ValueError("must be an http:// or https:// URL")
@@ -72,7 +73,7 @@ def _cidr(value: str) -> str:
     return value
 
 
-BackendUrl = Annotated[str, AfterValidator(_backend_url)]
+BackendUrl = Annotated[str, AfterValidator(normalize_backend_url)]
 RoutePath = Annotated[str, AfterValidator(_route_path)]
 Cidr = Annotated[str, AfterValidator(_cidr)]
 Seconds = Annotated[float, Field(gt=0, le=86400)]
@@ -151,7 +152,9 @@ class KubernetesConfig(_Model):
 
 
 class BackendsConfig(_Model):
-    discovery: Literal["static", "dns", "kubernetes"] = "static"
+    # registry: membership changed over HTTP (POST /workers, as sglang-router and SMG take
+    # it), seeded with backends.static.
+    discovery: Literal["static", "dns", "kubernetes", "registry"] = "static"
     static: list[BackendUrl] = Field(default_factory=list)
     dns: DnsConfig | None = None
     kubernetes: KubernetesConfig | None = None
@@ -333,6 +336,14 @@ class GatewayConfig(_Model):
     control: ControlConfig = ControlConfig()
     logging: LoggingConfig = LoggingConfig()
     reload: ReloadConfig = ReloadConfig()
+
+    @model_validator(mode="after")
+    def _one_registry(self) -> GatewayConfig:
+        if self.backends.discovery == "registry" and self.listen.workers > 1:
+            # Each worker process would hold its own membership: a worker registered through
+            # one would be unknown to the others.
+            raise ValueError("registry discovery runs with listen.workers: 1 for now")
+        return self
 
 
 # Settings that need new sockets or a new connection pool: a reload cannot change them.

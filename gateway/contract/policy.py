@@ -164,7 +164,7 @@ class AdmissionRules:
                     return self._check_openai(body, chat=True)
                 case Kind.COMPLETIONS | Kind.RESPONSES:
                     return self._check_openai(body, chat=False)
-                case Kind.PASSTHROUGH | Kind.CONTROL:
+                case Kind.PASSTHROUGH | Kind.CONTROL | Kind.REGISTRY:
                     return None  # never inspected: forwarded, or fanned out, as it is
                 case _:
                     assert_never(kind)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Final
 from urllib.parse import unquote
 
 
@@ -25,6 +26,7 @@ class Kind(enum.Enum):
     RESPONSES = "responses"  # ResponsesRequest: read like chat, fail closed
     PASSTHROUGH = "passthrough"  # operational routes, forwarded uninspected
     CONTROL = "control"  # fleet operations: sent to every backend, operators only
+    REGISTRY = "registry"  # the worker registry (/workers...): answered here, operators only
 
 
 class Family(enum.Enum):
@@ -54,7 +56,7 @@ class Route:
 
     @property
     def inspected(self) -> bool:
-        return self.kind is not Kind.PASSTHROUGH and self.kind is not Kind.CONTROL
+        return self.kind not in (Kind.PASSTHROUGH, Kind.CONTROL, Kind.REGISTRY)
 
 
 GENERATION_ROUTES: Mapping[str, tuple[Kind, frozenset[str]]] = {
@@ -96,6 +98,18 @@ CONTROL_ROUTES: Mapping[str, frozenset[str]] = {
 }
 
 
+# The worker registry, at the paths sglang-router and SMG serve it (newer and older forms).
+REGISTRY_ROUTES: Mapping[str, frozenset[str]] = {
+    "/workers": frozenset({"GET", "POST"}),
+    "/list_workers": _GET,
+    "/add_worker": _POST,
+    "/remove_worker": _POST,
+}
+WORKER_PATH: Final = "/workers/{id}"  # GET, DELETE one worker; the route's label
+_WORKER_PREFIX: Final = "/workers/"
+_WORKER_ROUTE_METHODS: Final = frozenset({"GET", "DELETE"})
+
+
 def canonical_path(raw_path: str) -> str:
     """The path SGLang's router would match for a raw request target (query excluded).
 
@@ -106,6 +120,9 @@ def canonical_path(raw_path: str) -> str:
     if len(path) > 1 and path.endswith("/"):
         path = path.rstrip("/") or "/"
     return path
+
+
+_WORKER_ROUTE: Final = Route(WORKER_PATH, Kind.REGISTRY, _WORKER_ROUTE_METHODS, Family.PLAIN)
 
 
 class RouteTable:
@@ -129,6 +146,8 @@ class RouteTable:
             by_path[path] = Route(path, Kind.PASSTHROUGH, methods, Family.PLAIN)
         for path, methods in CONTROL_ROUTES.items():
             by_path[path] = Route(path, Kind.CONTROL, methods, Family.PLAIN)
+        for path, methods in REGISTRY_ROUTES.items():
+            by_path[path] = Route(path, Kind.REGISTRY, methods, Family.PLAIN)
         for configured in extra_passthrough:
             # Stored canonical, so an encoded spelling of a generation route cannot be
             # configured past the check below and then match before decoding.
@@ -152,4 +171,8 @@ class RouteTable:
         route = self._by_path.get(raw_path)
         if route is not None:
             return route
-        return self._by_path.get(canonical_path(raw_path))
+        path = canonical_path(raw_path)
+        route = self._by_path.get(path)
+        if route is None and path.startswith(_WORKER_PREFIX) and len(path) > len(_WORKER_PREFIX):
+            return _WORKER_ROUTE
+        return route

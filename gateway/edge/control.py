@@ -15,7 +15,6 @@ with its caller and each backend's status, and counted.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import ipaddress
 import logging
 from collections.abc import Iterable, Sequence
@@ -27,6 +26,7 @@ import orjson
 from gateway.edge.auth import ApiKeys
 from gateway.edge.failures import ConnectFailed, UpstreamBroken
 from gateway.edge.upstream import Upstream
+from gateway.fleet.pool import worker_id
 
 log = logging.getLogger("gateway.control")
 
@@ -36,12 +36,6 @@ EXCERPT_BYTES: Final = 4096
 MAX_RELAYED_BYTES: Final = 1 << 20
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-
-
-def worker_id(url: str) -> str:
-    """A backend's id in control replies and the worker registry: stable across gateway
-    replicas and restarts (derived from the URL alone)."""
-    return hashlib.blake2b(url.encode(), digest_size=6).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)

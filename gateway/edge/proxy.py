@@ -30,6 +30,7 @@ from gateway.contract.policy import (
 from gateway.contract.replies import Outcome
 from gateway.contract.routes import Family, Kind, Route, RouteTable, canonical_path
 from gateway.contract.skim import SKIM_MIN_BODY
+from gateway.edge import registry_api
 from gateway.edge.admission import inspect_large
 from gateway.edge.aio import CoalescingResponse
 from gateway.edge.auth import ApiKeys
@@ -37,7 +38,8 @@ from gateway.edge.budget import InspectionBudget, parse_cost
 from gateway.edge.control import ControlAccess, FanOut, log_action, reply_body
 from gateway.edge.headers import REQUEST_ID, SERVER, ForwardedHeaders, valid_request_id
 from gateway.edge.upstream import ConnectFailed, Upstream, UpstreamBroken, UpstreamResponse
-from gateway.fleet.pool import Backend, BackendPool
+from gateway.fleet.membership import Fleet
+from gateway.fleet.pool import Backend
 from gateway.ops.observe import Exchange, Observer
 from gateway.ops.redact import describe
 
@@ -106,12 +108,13 @@ class Proxy:
         self,
         settings: ProxySettings,
         upstream: Upstream,
-        pool: BackendPool,
+        fleet: Fleet,
         observers: Sequence[Observer] = (),
     ) -> None:
         self.settings = settings
         self._upstream = upstream
-        self._pool = pool
+        self._fleet = fleet
+        self._pool = fleet.pool
         self._observers = tuple(observers)
         self._ids = _RequestIds()
         self.inflight = 0
@@ -180,7 +183,7 @@ class Proxy:
         raw_path: str,
         exchange: Exchange,
     ) -> web.StreamResponse:
-        if route is not None and route.kind is Kind.CONTROL:
+        if route is not None and route.kind in (Kind.CONTROL, Kind.REGISTRY):
             # Operators only, by their own keys or address: a client key grants nothing here.
             return await self._control(request, settings, route, raw_path, exchange)
         if settings.auth is not None:
@@ -338,6 +341,26 @@ class Proxy:
                 408, "request_body", "body_timeout", "Request body was not received in time."
             )
             return self._reject(exchange, Family.PLAIN, slow, close=True)
+        if route.kind is Kind.REGISTRY:
+            status, answer = registry_api.handle(
+                self._fleet, request.method, route.path, raw_path, body
+            )
+            result = "ok" if status < 400 else "failed"
+            fanout.count(route.path, result)
+            if request.method != "GET":
+                log.info(
+                    "registry %s %s by %s (%s): %d",
+                    request.method,
+                    route.path,
+                    caller,
+                    request.remote or "-",
+                    status,
+                )
+            outcome = Outcome.OK if status < 400 else Outcome.REJECTED
+            if outcome is Outcome.REJECTED:
+                exchange.rejected_by = "registry"
+                exchange.reason = "invalid" if status == 400 else "not_found"
+            return self._reply(exchange, status, answer, outcome)
         urls = [b.url for b in self._pool.backends]
         if not urls:
             fanout.count(route.path, "failed")

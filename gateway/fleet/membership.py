@@ -23,6 +23,7 @@ from gateway.fleet.discovery import (
 )
 from gateway.fleet.health import HealthChecker, Prober
 from gateway.fleet.pool import BackendPool, EjectionRules, PoolRules
+from gateway.fleet.registry import WorkerRegistry
 
 log = logging.getLogger("gateway.fleet.membership")
 
@@ -50,6 +51,7 @@ def pool_policy(cfg: BackendsConfig) -> PoolRules:
         ),
         max_inflight=cfg.max_inflight_per_backend,
         probes=cfg.health.enabled,
+        probation=cfg.discovery == "registry" and cfg.health.enabled,
     )
 
 
@@ -57,8 +59,12 @@ class Fleet:
     def __init__(self, cfg: BackendsConfig, *, resolver: Resolver | None = None) -> None:
         self.cfg = cfg
         self._resolver = resolver
-        initial = cfg.static if cfg.discovery == "static" else ()
+        initial = cfg.static if cfg.discovery in ("static", "registry") else ()
         self.pool = BackendPool(initial, make_balancer(cfg), pool_policy(cfg))
+        # Kept for the gateway's life once made: a reload never forgets registered workers.
+        self.registry: WorkerRegistry | None = (
+            WorkerRegistry(cfg.static) if cfg.discovery == "registry" else None
+        )
         self.discovery: Discovery | None = None
         self._discovery_task: asyncio.Task[None] | None = None
         self._health: HealthChecker | None = None
@@ -84,6 +90,10 @@ class Fleet:
                 port_name=k.port_name,
                 resync_s=k.resync_s,
             )
+        if cfg.discovery == "registry":
+            if self.registry is None:
+                self.registry = WorkerRegistry(cfg.static)
+            return self.registry
         return StaticDiscovery(cfg.static)
 
     def _publish(self, urls: tuple[str, ...]) -> None:
@@ -120,7 +130,8 @@ class Fleet:
             await self._health.stop()
             self._health = HealthChecker(self.pool, self._clients, cfg.health)
         discovery_keys = ("discovery", "static", "dns", "kubernetes")
-        if any(getattr(cfg, k) != getattr(old, k) for k in discovery_keys):
+        kept_registry = cfg.discovery == "registry" and old.discovery == "registry"
+        if not kept_registry and any(getattr(cfg, k) != getattr(old, k) for k in discovery_keys):
             await self._stop_discovery()
             self._start_discovery(cfg, self._clients)
         self._health.sync(self.pool.backends)

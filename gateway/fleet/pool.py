@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import hashlib
 import logging
 import time
 from collections import deque
@@ -19,6 +20,12 @@ from dataclasses import dataclass
 from gateway.fleet.balancers import Balancer
 
 log = logging.getLogger("gateway.fleet.pool")
+
+
+def worker_id(url: str) -> str:
+    """A backend's id in the worker registry and control replies: stable across gateway
+    replicas and restarts (derived from the URL alone)."""
+    return hashlib.blake2b(url.encode(), digest_size=6).hexdigest()
 
 
 class Health(enum.Enum):
@@ -58,6 +65,10 @@ class Backend:
     def __repr__(self) -> str:
         return f"Backend({self.url!r}, {self.health.value}, inflight={self.inflight})"
 
+    @property
+    def id(self) -> str:
+        return worker_id(self.url)
+
 
 @dataclass(frozen=True, slots=True)
 class EjectionRules:
@@ -78,6 +89,9 @@ class PoolRules:
     passive: EjectionRules = EjectionRules()
     max_inflight: int | None = None  # per backend; None: no cap
     probes: bool = True  # active probes run (else a not-yet-probed backend counts as ready)
+    # A backend takes traffic only once a probe passed (registered workers: an engine is
+    # often registered before it finished loading). Else a not-yet-probed one is routable.
+    probation: bool = False
 
 
 class BackendPool:
@@ -138,7 +152,9 @@ class BackendPool:
     def routable(self, b: Backend, now: float) -> bool:
         """May take traffic at `now` (concurrency aside): not failed by probes, not ejected.
         The one rule pick, saturation, readiness and the metrics all read."""
-        return b.health is not Health.UNHEALTHY and b.ejected_until <= now
+        if b.health is Health.UNHEALTHY or b.ejected_until > now:
+            return False
+        return b.health is Health.HEALTHY or not self._policy.probation
 
     def now(self) -> float:
         return self._clock()
