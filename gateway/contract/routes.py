@@ -106,8 +106,21 @@ REGISTRY_ROUTES: Mapping[str, frozenset[str]] = {
     "/remove_worker": _POST,
 }
 WORKER_PATH: Final = "/workers/{id}"  # GET, DELETE one worker; the route's label
+# An engine call with parameters of its own per engine (a rank offset, tensor handles on that
+# engine's GPUs), sent to the one worker named: POST /workers/{id}/<SGLang path>.
+ADDRESSED_PATH: Final = "/workers/{id}/*"
 _WORKER_PREFIX: Final = "/workers/"
 _WORKER_ROUTE_METHODS: Final = frozenset({"GET", "DELETE"})
+# Per-engine calls: without an address they are refused, since no one engine is meant.
+PER_ENGINE_ROUTES: Mapping[str, frozenset[str]] = {
+    "/init_weights_update_group": _POST,
+    "/update_weights_from_distributed": _POST,
+    "/update_weights_from_tensor": _POST,
+    "/destroy_weights_update_group": _POST,
+    "/weights_checker": _POST,
+    "/init_weights_send_group_for_remote_instance": _POST,
+    "/send_weights_to_remote_instance": _POST,
+}
 
 
 def canonical_path(raw_path: str) -> str:
@@ -123,6 +136,9 @@ def canonical_path(raw_path: str) -> str:
 
 
 _WORKER_ROUTE: Final = Route(WORKER_PATH, Kind.REGISTRY, _WORKER_ROUTE_METHODS, Family.PLAIN)
+_ADDRESSED_ROUTE: Final = Route(
+    ADDRESSED_PATH, Kind.CONTROL, frozenset({"GET", "POST"}), Family.PLAIN
+)
 
 
 class RouteTable:
@@ -147,6 +163,8 @@ class RouteTable:
         for path, methods in CONTROL_ROUTES.items():
             by_path[path] = Route(path, Kind.CONTROL, methods, Family.PLAIN)
         for path, methods in REGISTRY_ROUTES.items():
+            by_path[path] = Route(path, Kind.REGISTRY, methods, Family.PLAIN)
+        for path, methods in PER_ENGINE_ROUTES.items():
             by_path[path] = Route(path, Kind.REGISTRY, methods, Family.PLAIN)
         for configured in extra_passthrough:
             # Stored canonical, so an encoded spelling of a generation route cannot be
@@ -174,5 +192,6 @@ class RouteTable:
         path = canonical_path(raw_path)
         route = self._by_path.get(path)
         if route is None and path.startswith(_WORKER_PREFIX) and len(path) > len(_WORKER_PREFIX):
-            return _WORKER_ROUTE
+            rest = path[len(_WORKER_PREFIX) :]
+            return _ADDRESSED_ROUTE if "/" in rest else _WORKER_ROUTE
         return route

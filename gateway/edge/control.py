@@ -71,6 +71,8 @@ class BackendResult:
     url: str
     status: int  # the backend's status; 0 when it could not be asked or did not answer
     body: Any  # its JSON answer, or an excerpt of its text, or the gateway's explanation
+    raw: bytes = b""  # its answer as sent, for a call addressed to this one backend
+    content_type: str = "application/json"
 
     @property
     def ok(self) -> bool:
@@ -156,6 +158,7 @@ class FanOut:
                 if data is None:
                     resp.close()
                     return BackendResult(url, resp.status, "answer too large to relay")
+                content_type = resp.message.headers.get("Content-Type", "application/json")
                 resp.release()
         except ConnectFailed as exc:
             return BackendResult(url, 0, f"could not connect ({exc.cause})")
@@ -165,7 +168,7 @@ class FanOut:
             return BackendResult(url, 0, f"broken answer ({type(exc).__name__})")
         except Exception as exc:  # aiohttp's parser errors: the exchange broke
             return BackendResult(url, 0, f"broken answer ({type(exc).__name__})")
-        return BackendResult(url, resp.status, _decode(data))
+        return BackendResult(url, resp.status, _decode(data), data, content_type)
 
 
 async def _read_bounded(content: Any, limit: int) -> bytes | None:

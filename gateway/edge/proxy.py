@@ -28,7 +28,14 @@ from gateway.contract.policy import (
     Rejection,
 )
 from gateway.contract.replies import Outcome
-from gateway.contract.routes import Family, Kind, Route, RouteTable, canonical_path
+from gateway.contract.routes import (
+    ADDRESSED_PATH,
+    Family,
+    Kind,
+    Route,
+    RouteTable,
+    canonical_path,
+)
 from gateway.contract.skim import SKIM_MIN_BODY
 from gateway.edge import registry_api
 from gateway.edge.admission import inspect_large
@@ -361,7 +368,18 @@ class Proxy:
                 exchange.rejected_by = "registry"
                 exchange.reason = "invalid" if status == 400 else "not_found"
             return self._reply(exchange, status, answer, outcome)
-        urls = [b.url for b in self._pool.backends]
+        target = raw_path
+        if route.path == ADDRESSED_PATH:
+            worker, _, rest = raw_path[len("/workers/") :].partition("/")
+            backend = next((b for b in self._pool.backends if worker in (b.id, b.url)), None)
+            if backend is None:
+                fanout.count(route.path, "failed")
+                missing = replies.render(Family.PLAIN, 404, f"No worker {worker!r}.")
+                return self._reply(exchange, 404, missing, Outcome.NOT_FOUND)
+            urls = [backend.url]
+            target = "/" + rest
+        else:
+            urls = [b.url for b in self._pool.backends]
         if not urls:
             fanout.count(route.path, "failed")
             return self._unavailable(exchange, Family.PLAIN, Outcome.NO_BACKEND)
@@ -375,7 +393,7 @@ class Proxy:
         results = await fanout.call(
             urls,
             request.method,
-            raw_path,
+            target,
             headers,
             body if request.body_exists else None,
             connect_s=settings.connect_s,
@@ -385,6 +403,15 @@ class Proxy:
         ok = all(r.ok for r in results)
         fanout.count(route.path, "ok" if ok else "failed")
         exchange.attempts = len(results)
+        if route.path == ADDRESSED_PATH:
+            (only,) = results
+            exchange.backend = only.url
+            if only.status:  # the engine's own answer, relayed as it came
+                resp = self._reply(
+                    exchange, only.status, only.raw, Outcome.OK if ok else Outcome.CONTROL_FAILED
+                )
+                resp.content_type = only.content_type.partition(";")[0] or "application/json"
+                return resp
         return self._reply(
             exchange,
             200 if ok else 502,

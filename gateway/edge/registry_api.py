@@ -22,7 +22,7 @@ from urllib.parse import parse_qs
 import orjson
 
 from gateway.config import normalize_backend_url
-from gateway.contract.routes import WORKER_PATH
+from gateway.contract.routes import PER_ENGINE_ROUTES, WORKER_PATH
 from gateway.fleet.membership import Fleet
 from gateway.fleet.pool import Backend, Health
 from gateway.fleet.registry import RegistryError
@@ -65,6 +65,12 @@ def _find(fleet: Fleet, worker: str) -> Backend | None:
 def handle(fleet: Fleet, method: str, path: str, raw_path: str, body: bytes) -> Answer:
     """Answer one registry call; `path` is the route (WORKER_PATH for /workers/{id})."""
     query = parse_qs(raw_path.partition("?")[2])
+    if path in PER_ENGINE_ROUTES:
+        return _error(
+            400,
+            f"{path} takes parameters of one engine: send it to that worker, "
+            f"POST /workers/{{id}}{path} (ids from GET /workers).",
+        )
     if path == WORKER_PATH:
         worker = raw_path.partition("?")[0].rstrip("/").rsplit("/", 1)[1]
         backend = _find(fleet, worker)

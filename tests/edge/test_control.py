@@ -193,3 +193,29 @@ async def test_loopback_is_trusted_by_default_and_a_dead_member_is_named(
     assert result["body"].startswith("could not connect")
     # A control call that failed to connect never ejects the backend: it is no traffic.
     assert not gw.pool.ejected(gw.pool.backends[0])
+
+
+async def test_a_per_engine_call_goes_to_the_one_worker_named(
+    stubs: list[StubBackend], make_gateway: GatewayFactory
+) -> None:
+    gw = await make_gateway(*(s.url for s in stubs))
+    body = b'{"serialized_named_tensors": ["h0"], "load_format": "direct", "weight_version": "v3"}'
+    target = stubs[1]
+    async with aiohttp.ClientSession() as s:
+        path = f"/workers/{worker_id(target.url)}/update_weights_from_tensor"
+        async with s.post(gw_url(gw, path), data=body) as r:
+            assert r.status == 200
+            relayed = await r.read()
+        async with s.post(target.url + "/update_weights_from_tensor", data=body) as r:
+            direct = await r.read()
+        assert relayed == direct  # the engine's own answer, as it came
+        assert _proxied(target, "/update_weights_from_tensor") == [body]
+        assert all(
+            _proxied(o, "/update_weights_from_tensor") == [] for o in stubs if o is not target
+        )
+        # Without an address it is refused: no single engine is meant.
+        async with s.post(gw_url(gw, "/update_weights_from_tensor"), data=body) as r:
+            assert r.status == 400
+            assert "/workers/{id}/update_weights_from_tensor" in (await r.json())["detail"]
+        async with s.post(gw_url(gw, "/workers/nope/init_weights_update_group"), data=b"{}") as r:
+            assert r.status == 404

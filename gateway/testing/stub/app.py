@@ -154,6 +154,11 @@ class StubBackend:
             ("POST", "/resume_memory_occupation", self._engine_op),
             ("POST", "/start_profile", self._engine_op),
             ("POST", "/stop_profile", self._engine_op),
+            ("POST", "/init_weights_update_group", self._engine_op),
+            ("POST", "/update_weights_from_distributed", self._engine_op),
+            ("POST", "/update_weights_from_tensor", self._engine_op),
+            ("POST", "/destroy_weights_update_group", self._engine_op),
+            ("POST", "/weights_checker", self._engine_op),
             ("GET", "/v1/loads", self._loads),
             ("GET", "/get_loads", self._loads),
             ("GET", "/flush_cache", self._flush_cache),
@@ -548,7 +553,9 @@ class StubBackend:
 
     async def _engine_op(self, request: web.Request) -> web.StreamResponse:
         # SGLang answers its engine operations with {"success": ..., "message": ...}.
-        return json_response({"success": True, "message": f"{request.path[1:]} done"})
+        return json_response(
+            {"success": True, "message": f"{request.path[1:]} done on port {self._port}"}
+        )
 
     async def _loads(self, request: web.Request) -> web.StreamResponse:
         return json_response(
