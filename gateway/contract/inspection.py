@@ -18,7 +18,7 @@ from typing import Any, Final
 import orjson
 
 from gateway.contract.jsonview import Head, read_view
-from gateway.contract.policy import READS, SHAPE_ONLY, AdmissionRules, Rejection
+from gateway.contract.policy import READS, SHAPE_ONLY, AdmissionRules, Rejection, request_ids
 from gateway.contract.routes import Kind
 from gateway.contract.skim import Skimmed
 
@@ -163,7 +163,12 @@ def may_hold_mask_key(body: bytes) -> bool:
 
 
 def inspect_body(
-    kind: Kind, body: bytes, policy: AdmissionRules, *, skip_parse_without_key: bool = False
+    kind: Kind,
+    body: bytes,
+    policy: AdmissionRules,
+    *,
+    skip_parse_without_key: bool = False,
+    rids: list[str] | None = None,
 ) -> Rejection | None:
     """Parse an inspected route's body once and apply the policy to it.
 
@@ -171,10 +176,13 @@ def inspect_body(
     unparsed: no mask can be requested by it, and SGLang (same parser) refuses it itself if
     it is malformed. This trades the gateway's own 400 for malformed or mistyped bodies
     (rules 1 and 5 of the contract) for not building a Python object tree of a large body.
+    `rids`, when given, receives the body's request ids (policy.request_ids).
     """
     if skip_parse_without_key and not may_hold_mask_key(body):
         return None
     parsed = parse_object(body, kind)
     if isinstance(parsed, Rejection):
         return parsed
+    if rids is not None:
+        rids += request_ids(parsed)
     return policy.check(kind, parsed)

@@ -79,17 +79,30 @@ def _is_unbounded(k: int | None) -> bool:
 # converts only these, so they must name every field the checks below look at:
 # tests/contract/test_jsonview.py runs the truth tables through a recording body to hold them to it.
 _OPENAI_READS: Final = frozenset(
-    {"return_sampling_mask", "return_meta_info", "stream", "n", "temperature", "top_k"}
+    {"return_sampling_mask", "return_meta_info", "stream", "n", "temperature", "top_k", "rid"}
 )
 READS: Final[Mapping[Kind, frozenset[str] | None]] = {
     Kind.GENERATE: frozenset(
-        {"return_sampling_mask", "sampling_params", "text", "input_ids", "input_embeds"}
+        {"return_sampling_mask", "sampling_params", "text", "input_ids", "input_embeds", "rid"}
     ),
     Kind.VERTEX: None,
     Kind.CHAT: _OPENAI_READS,
     Kind.COMPLETIONS: _OPENAI_READS,
     Kind.RESPONSES: _OPENAI_READS,
 }
+
+
+def request_ids(body: Mapping[str, Any]) -> list[str]:
+    """SGLang's own request ids in a body (`rid`: a string, or one per item of a batch), for
+    routing an abort to the backend that serves them. Anything else is no id."""
+    rid = body.get("rid")
+    if isinstance(rid, str):
+        return [rid]
+    if isinstance(rid, list):
+        return [r for r in rid if isinstance(r, str)]
+    return []
+
+
 # Fields read only for their length and the kind of their first element (the batch shape,
 # `_batch_size`): 100k-token input_ids need not become 100k Python ints.
 SHAPE_ONLY: Final = frozenset({"input_ids", "input_embeds"})

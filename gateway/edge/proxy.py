@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Final
 
 import aiohttp
+import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
@@ -127,6 +128,9 @@ class Proxy:
         self.inflight = 0
         self.budget = InspectionBudget(settings.max_inspecting)
         self.fanout = FanOut(upstream)
+        # rid -> the backend serving it, for requests in flight: an abort of a known rid goes
+        # to its owner alone.
+        self.owners: dict[str, str] = {}
         self._idle: asyncio.Event | None = None  # only while someone waits for idleness
 
     async def wait_idle(self) -> None:
@@ -236,6 +240,7 @@ class Proxy:
             )
             return self._reject(exchange, route.family, rejection, close=True)
 
+        rids: list[str] = []  # SGLang's request ids in the body: who serves them, for aborts
         if route.inspected:
             budget = self.budget
             cost = parse_cost(body)
@@ -247,6 +252,7 @@ class Proxy:
                         body,
                         settings.admission,
                         skip_parse_without_key=settings.skip_parse,
+                        rids=rids,
                     )
                 finally:
                     budget.release(cost)
@@ -258,6 +264,7 @@ class Proxy:
                     budget,
                     wait_s=settings.queue_timeout,
                     skip_parse_without_key=settings.skip_parse,
+                    rids=rids,
                 )
             if rejection is not None:
                 if settings.admission.mode_of(rejection) is Mode.LOG_ONLY:
@@ -276,7 +283,13 @@ class Proxy:
                     return resp
 
         return await self._forward(
-            request, settings=settings, route=route, raw_path=raw_path, body=body, exchange=exchange
+            request,
+            settings=settings,
+            route=route,
+            raw_path=raw_path,
+            body=body,
+            exchange=exchange,
+            rids=rids,
         )
 
     def _authenticate(
@@ -380,6 +393,10 @@ class Proxy:
             target = "/" + rest
         else:
             urls = [b.url for b in self._pool.backends]
+            if route.path == "/abort_request":
+                owner = self._abort_owner(body)
+                if owner is not None and owner in urls:
+                    urls = [owner]
         if not urls:
             fanout.count(route.path, "failed")
             return self._unavailable(exchange, Family.PLAIN, Outcome.NO_BACKEND)
@@ -418,6 +435,19 @@ class Proxy:
             reply_body(results),
             Outcome.OK if ok else Outcome.CONTROL_FAILED,
         )
+
+    def _abort_owner(self, body: bytes) -> str | None:
+        """The backend serving the one rid an abort names, if this gateway routed it there.
+        An abort of all, of a list, or of an unknown rid (queued anywhere, or routed by
+        another gateway process) goes to every backend."""
+        try:
+            parsed = orjson.loads(body) if body else None
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(parsed, dict) or parsed.get("abort_all"):
+            return None
+        rid = parsed.get("rid")
+        return self.owners.get(rid) if isinstance(rid, str) else None
 
     # -- request body ----------------------------------------------------------------
 
@@ -517,6 +547,7 @@ class Proxy:
         raw_path: str,
         body: bytes,
         exchange: Exchange,
+        rids: Sequence[str] = (),
     ) -> web.StreamResponse:
         headers = settings.forwarding.upstream(
             request.headers.items(),
@@ -536,6 +567,9 @@ class Proxy:
             tried.append(backend)
             exchange.attempts = len(tried)
             exchange.backend = backend.url
+            owners = self.owners
+            for rid in rids:
+                owners[rid] = backend.url
             try:
                 try:
                     upstream = await self._upstream.request(
@@ -580,6 +614,9 @@ class Proxy:
                 return await self._relay(request, upstream, exchange)
             finally:
                 self._pool.release(backend)
+                for rid in rids:
+                    if owners.get(rid) == backend.url:
+                        del owners[rid]
         return self._unavailable(
             exchange, route.family, Outcome.NO_CAPACITY if saturated else Outcome.NO_BACKEND
         )

@@ -219,3 +219,39 @@ async def test_a_per_engine_call_goes_to_the_one_worker_named(
             assert "/workers/{id}/update_weights_from_tensor" in (await r.json())["detail"]
         async with s.post(gw_url(gw, "/workers/nope/init_weights_update_group"), data=b"{}") as r:
             assert r.status == 404
+
+
+async def test_an_abort_of_a_known_rid_goes_to_its_owner_only(
+    stubs: list[StubBackend], make_gateway: GatewayFactory
+) -> None:
+    gw = await make_gateway(*(s.url for s in stubs))
+    stream = orjson.dumps(
+        {"text": "x", "rid": "rollout-7", "stream": True, "sampling_params": {"top_k": 2}}
+    )
+    slow = {
+        "X-Stub-Chunk-Delay-Ms": "100",
+        "X-Stub-Events": "100",
+        "Content-Type": "application/json",
+    }
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(gw_url(gw, "/generate"), data=stream, headers=slow) as r,
+    ):
+        assert r.status == 200
+        await r.content.readline()  # under way on one backend
+        (owner,) = [b for b in stubs if b.generation_requests()]
+        abort = b'{"rid": "rollout-7"}'
+        async with s.post(gw_url(gw, "/abort_request"), data=abort) as a:
+            assert a.status == 200
+            assert [x["url"] for x in (await a.json())["results"]] == [owner.url]
+        for stub in stubs:
+            assert _proxied(stub, "/abort_request") == ([abort] if stub is owner else [])
+        # An unknown rid may be queued anywhere: every backend is asked.
+        async with s.post(gw_url(gw, "/abort_request"), data=b'{"rid": "other"}') as a:
+            assert len((await a.json())["results"]) == 3
+        async with s.post(gw_url(gw, "/abort_request"), data=b'{"abort_all": true}') as a:
+            assert len((await a.json())["results"]) == 3
+    # The stream ended (the client left): its rid is forgotten.
+    assert gw.proxy is not None
+    await asyncio.sleep(0.1)
+    assert gw.proxy.owners == {}
