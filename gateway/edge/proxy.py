@@ -224,21 +224,9 @@ class Proxy:
         if rejection is not None:
             return self._reject(exchange, route.family, rejection, close=request.body_exists)
 
-        try:
-            body = await self._read_body(request, settings, exchange)
-        except _TooLarge:
-            rejection = Rejection(
-                413,
-                "request_body",
-                "too_large",
-                f"Request body exceeds the gateway's limit of {settings.max_body} bytes.",
-            )
-            return self._reject(exchange, route.family, rejection, close=True)
-        except TimeoutError:
-            rejection = Rejection(
-                408, "request_body", "body_timeout", "Request body was not received in time."
-            )
-            return self._reject(exchange, route.family, rejection, close=True)
+        body = await self._body_or_refusal(request, settings, exchange, route.family)
+        if isinstance(body, web.Response):
+            return body
 
         rids: list[str] = []  # SGLang's request ids in the body: who serves them, for aborts
         if route.inspected:
@@ -346,21 +334,9 @@ class Proxy:
             return self._reject(exchange, Family.PLAIN, denied, close=request.body_exists)
         if request.method not in route.methods:
             return self._wrong_method(exchange, route)
-        try:
-            body = await self._read_body(request, settings, exchange)
-        except _TooLarge:
-            too_large = Rejection(
-                413,
-                "request_body",
-                "too_large",
-                f"Request body exceeds the gateway's limit of {settings.max_body} bytes.",
-            )
-            return self._reject(exchange, Family.PLAIN, too_large, close=True)
-        except TimeoutError:
-            slow = Rejection(
-                408, "request_body", "body_timeout", "Request body was not received in time."
-            )
-            return self._reject(exchange, Family.PLAIN, slow, close=True)
+        body = await self._body_or_refusal(request, settings, exchange, Family.PLAIN)
+        if isinstance(body, web.Response):
+            return body
         if route.kind is Kind.REGISTRY:
             status, answer = registry_api.handle(
                 self._fleet, request.method, route.path, raw_path, body
@@ -450,6 +426,29 @@ class Proxy:
         return self.owners.get(rid) if isinstance(rid, str) else None
 
     # -- request body ----------------------------------------------------------------
+
+    async def _body_or_refusal(
+        self,
+        request: web.BaseRequest,
+        settings: ProxySettings,
+        exchange: Exchange,
+        family: Family,
+    ) -> bytes | web.Response:
+        """The request body, or the 413 / 408 reply for one too large or too slow."""
+        try:
+            return await self._read_body(request, settings, exchange)
+        except _TooLarge:
+            rejection = Rejection(
+                413,
+                "request_body",
+                "too_large",
+                f"Request body exceeds the gateway's limit of {settings.max_body} bytes.",
+            )
+        except TimeoutError:
+            rejection = Rejection(
+                408, "request_body", "body_timeout", "Request body was not received in time."
+            )
+        return self._reject(exchange, family, rejection, close=True)
 
     async def _read_body(
         self, request: web.BaseRequest, settings: ProxySettings, exchange: Exchange
