@@ -43,6 +43,17 @@ async def stub() -> AsyncIterator[StubBackend]:
 
 
 @pytest.fixture
+async def stubs() -> AsyncIterator[list[StubBackend]]:
+    """Three stub backends on their own ephemeral ports (a small fleet)."""
+    backends = [StubBackend() for _ in range(3)]
+    for b in backends:
+        await b.start()
+    yield backends
+    for b in backends:
+        await b.stop()
+
+
+@pytest.fixture
 async def make_gateway() -> AsyncIterator[GatewayFactory]:
     """Start gateways in front of given backend URLs; all are stopped at teardown."""
     started: list[Gateway] = []

@@ -8,7 +8,6 @@ backend's answer, and refuse callers without an operator credential.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -37,16 +36,6 @@ FAN_OUT = [
     ("GET", "/v1/loads", b""),
     ("GET", "/get_loads", b""),
 ]
-
-
-@pytest.fixture
-async def stubs() -> AsyncIterator[list[StubBackend]]:
-    backends = [StubBackend() for _ in range(3)]
-    for b in backends:
-        await b.start()
-    yield backends
-    for b in backends:
-        await b.stop()
 
 
 def _proxied(stub: StubBackend, path: str) -> list[bytes]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -23,16 +22,6 @@ from tests.conftest import GatewayFactory, admin_url, gw_url, wait_for
 
 JSON = {"Content-Type": "application/json"}
 OK_BODY = orjson.dumps({"text": "x", "sampling_params": {"top_k": 2, "max_new_tokens": 2}})
-
-
-@pytest.fixture
-async def stubs() -> AsyncIterator[list[StubBackend]]:
-    backends = [StubBackend() for _ in range(3)]
-    for b in backends:
-        await b.start()
-    yield backends
-    for b in backends:
-        await b.stop()
 
 
 async def send(session: aiohttp.ClientSession, gw: Gateway, **headers: str) -> int:
