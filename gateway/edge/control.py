@@ -26,7 +26,7 @@ import orjson
 from gateway.edge.auth import ApiKeys
 from gateway.edge.failures import ConnectFailed, UpstreamBroken
 from gateway.edge.upstream import Upstream
-from gateway.fleet.pool import worker_id
+from gateway.fleet.pool import BackendPool, worker_id
 
 log = logging.getLogger("gateway.control")
 
@@ -201,3 +201,46 @@ def log_action(route: str, caller: str, peer: str | None, results: Sequence[Back
     """One line per control call: who, what, and each backend's status (no bodies)."""
     outcome = ", ".join(f"{r.url}={r.status or 'failed'}" for r in results) or "no backends"
     log.info("control %s by %s (%s): %s", route, caller, peer or "-", outcome)
+
+
+# What a successful call does to an engine's state, as the gateway tracks it.
+_STATE_CHANGES: Final = {
+    "/pause_generation": ("paused", True),
+    "/continue_generation": ("paused", False),
+    "/release_memory_occupation": ("asleep", True),
+    "/resume_memory_occupation": ("asleep", False),
+}
+_WEIGHT_UPDATES: Final = frozenset(
+    {
+        "/update_weights_from_disk",
+        "/update_weights_from_tensor",
+        "/update_weights_from_distributed",
+    }
+)
+
+
+def apply_state(
+    pool: BackendPool, target: str, body: bytes, results: Sequence[BackendResult]
+) -> None:
+    """Record on each backend that answered 2xx what the call did to it: paused, asleep, or
+    the weight version it now serves (the `weight_version` the caller sent)."""
+    path = target.partition("?")[0]
+    ok = {r.url for r in results if r.ok}
+    backends = [b for b in pool.backends if b.url in ok]
+    change = _STATE_CHANGES.get(path)
+    if change is not None:
+        field, value = change
+        for b in backends:
+            setattr(b, field, value)
+        if not value:
+            pool.wake_waiters()  # requests held for a paused or asleep fleet may go now
+        return
+    if path in _WEIGHT_UPDATES and body:
+        try:
+            sent = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return
+        version = sent.get("weight_version") if isinstance(sent, dict) else None
+        if isinstance(version, str):
+            for b in backends:
+                b.weight_version = version

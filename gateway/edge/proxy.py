@@ -43,7 +43,7 @@ from gateway.edge.admission import inspect_large
 from gateway.edge.aio import CoalescingResponse
 from gateway.edge.auth import ApiKeys
 from gateway.edge.budget import InspectionBudget, parse_cost
-from gateway.edge.control import ControlAccess, FanOut, log_action, reply_body
+from gateway.edge.control import ControlAccess, FanOut, apply_state, log_action, reply_body
 from gateway.edge.headers import REQUEST_ID, SERVER, ForwardedHeaders, valid_request_id
 from gateway.edge.upstream import ConnectFailed, Upstream, UpstreamBroken, UpstreamResponse
 from gateway.fleet.membership import Fleet
@@ -393,6 +393,7 @@ class Proxy:
             timeout_s=settings.control_timeout,
         )
         log_action(route.path, caller, request.remote, results)
+        apply_state(self._pool, target, body, results)
         ok = all(r.ok for r in results)
         fanout.count(route.path, "ok" if ok else "failed")
         exchange.attempts = len(results)

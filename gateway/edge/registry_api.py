@@ -34,6 +34,10 @@ def _worker(fleet: Fleet, backend: Backend) -> dict[str, Any]:
     pool = fleet.pool
     if pool.ejected(backend):
         state = "ejected"
+    elif backend.asleep:
+        state = "asleep"
+    elif backend.paused:
+        state = "paused"
     elif backend.health is Health.UNKNOWN and not pool.routable(backend, pool.now()):
         state = "probation"  # registered, not yet probed healthy
     else:
@@ -45,7 +49,9 @@ def _worker(fleet: Fleet, backend: Backend) -> dict[str, Any]:
         "url": backend.url,
         "healthy": backend.health is Health.HEALTHY,
         "state": state,
-        "weight_version": None,
+        "weight_version": backend.weight_version,
+        "paused": backend.paused,
+        "asleep": backend.asleep,
         "inflight": backend.inflight,
     }
 

@@ -38,16 +38,19 @@ class Backend:
     """One upstream SGLang server and what the gateway knows about it."""
 
     __slots__ = (
+        "asleep",
         "connect_failures",
         "ejected_until",
         "ejections",
         "errors_5xx",
         "health",
         "inflight",
+        "paused",
         "probe_failures",
         "probe_successes",
         "removed",
         "url",
+        "weight_version",
     )
 
     def __init__(self, url: str) -> None:
@@ -61,6 +64,11 @@ class Backend:
         self.ejections = 0  # consecutive ejections, for the back-off
         self.ejected_until = 0.0
         self.removed = False  # dropped from membership; in-flight requests still finish
+        # Engine state set by control calls through the gateway (gateway/edge/control.py):
+        # a paused engine holds new generations, an asleep one has released its memory.
+        self.paused = False
+        self.asleep = False
+        self.weight_version: str | None = None
 
     def __repr__(self) -> str:
         return f"Backend({self.url!r}, {self.health.value}, inflight={self.inflight})"
@@ -149,12 +157,33 @@ class BackendPool:
 
     # -- selection and capacity ----------------------------------------------------------
 
-    def routable(self, b: Backend, now: float) -> bool:
-        """May take traffic at `now` (concurrency aside): not failed by probes, not ejected.
-        The one rule pick, saturation, readiness and the metrics all read."""
+    def available(self, b: Backend, now: float) -> bool:
+        """Working, as far as the gateway can tell: not failed by probes, not ejected, and
+        (registered workers) probed at least once. Readiness asks this."""
         if b.health is Health.UNHEALTHY or b.ejected_until > now:
             return False
         return b.health is Health.HEALTHY or not self._policy.probation
+
+    def routable(self, b: Backend, now: float) -> bool:
+        """May take a new request at `now` (concurrency aside): available, and neither paused
+        nor asleep. The one rule pick, saturation and the metrics read."""
+        return self.available(b, now) and not b.paused and not b.asleep
+
+    def held(self, exclude: Sequence[Backend] = ()) -> bool:
+        """Some working backend is paused or asleep: it will take traffic again once
+        continued or resumed, so a request may wait for it."""
+        now = self._clock()
+        return any(
+            (b.paused or b.asleep) and self.available(b, now) and b not in exclude
+            for b in self.backends
+        )
+
+    def wake_waiters(self) -> None:
+        """Capacity came back (a backend continued or resumed): let every waiter look."""
+        waiters, self._slot_waiters = self._slot_waiters, deque()
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     def now(self) -> float:
         return self._clock()
@@ -191,7 +220,7 @@ class BackendPool:
         rather than overload one or fail at once; None when there is none to have.
         """
         backend = self.pick(exclude, key)
-        if backend is None and self.saturated(exclude) and wait_s > 0:
+        if backend is None and wait_s > 0 and (self.saturated(exclude) or self.held(exclude)):
             backend = await self._wait_for_slot(exclude, key, wait_s)
         if backend is not None:
             backend.inflight += 1
@@ -214,7 +243,7 @@ class BackendPool:
                 if not waiter.done():
                     waiter.cancel()
             backend = self.pick(exclude, key)
-            if backend is not None or not self.saturated(exclude):
+            if backend is not None or not (self.saturated(exclude) or self.held(exclude)):
                 return backend
         return None
 
@@ -234,7 +263,8 @@ class BackendPool:
         be broken) and is not ejected."""
         now = self._clock()
         ok = (Health.HEALTHY,) if self._policy.probes else (Health.HEALTHY, Health.UNKNOWN)
-        return any(b.health in ok and self.routable(b, now) for b in self.backends)
+        # Paused or asleep engines still count: an RL fleet mid weight-update is not broken.
+        return any(b.health in ok and self.available(b, now) for b in self.backends)
 
     def ejected(self, b: Backend) -> bool:
         return b.ejected_until > self._clock()

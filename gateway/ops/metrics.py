@@ -160,6 +160,8 @@ class _BackendCollector(Collector):
             healthy.add_metric([b.url], 0.0 if b.health is Health.UNHEALTHY else 1.0)
             for h in Health:
                 state.add_metric([b.url, h.value], 1.0 if b.health is h else 0.0)
+            state.add_metric([b.url, "paused"], 1.0 if b.paused else 0.0)
+            state.add_metric([b.url, "asleep"], 1.0 if b.asleep else 0.0)
             ejected.add_metric([b.url], 1.0 if pool.ejected(b) else 0.0)
             inflight.add_metric([b.url], float(b.inflight))
         for name, n in counts.items():
@@ -189,7 +191,9 @@ class _BackendCollector(Collector):
             ),
             GaugeMetricFamily(
                 p + "backend_state",
-                "1 for the backend's current health state (unknown, healthy, unhealthy).",
+                "1 for the backend's current health state (unknown, healthy, unhealthy), and "
+                "for paused / asleep while a pause or a memory release through the gateway "
+                "holds it.",
                 labels=["backend", "state"],
             ),
             GaugeMetricFamily(

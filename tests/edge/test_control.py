@@ -139,15 +139,15 @@ async def test_only_operators_control_the_fleet(
     )
     async with aiohttp.ClientSession() as s:
         for headers in ({}, {"Authorization": f"Bearer {CLIENT}"}, {"Authorization": "Bearer x"}):
-            async with s.post(gw_url(gw, "/pause_generation"), headers=headers, data=b"{}") as r:
+            async with s.post(gw_url(gw, "/start_profile"), headers=headers, data=b"{}") as r:
                 assert r.status == 403
                 assert "operator key" in (await r.json())["detail"]
-        assert _proxied(stubs[0], "/pause_generation") == []
+        assert _proxied(stubs[0], "/start_profile") == []
         op = {"Authorization": f"Bearer {OPERATOR}"}
-        async with s.post(gw_url(gw, "/pause_generation"), headers=op, data=b"{}") as r:
+        async with s.post(gw_url(gw, "/start_profile"), headers=op, data=b"{}") as r:
             assert r.status == 200
         # The operator's key is not passed on: the backend gets the configured credential.
-        sent = [r for r in stubs[0].received if r.path == "/pause_generation"][-1]
+        sent = [r for r in stubs[0].received if r.path == "/start_profile"][-1]
         assert sent.headers.getall("Authorization") == ["Bearer up"]
         # A client key still works for generation, and never for control.
         client = {"Authorization": f"Bearer {CLIENT}", "Content-Type": "application/json"}
@@ -156,12 +156,10 @@ async def test_only_operators_control_the_fleet(
             assert r.status == 200
     text = await _metrics(gw)
     assert (
-        'sglang_gateway_control_requests_total{result="forbidden",route="/pause_generation"} 3.0'
+        'sglang_gateway_control_requests_total{result="forbidden",route="/start_profile"} 3.0'
         in text
     )
-    assert (
-        'sglang_gateway_control_requests_total{result="ok",route="/pause_generation"} 1.0' in text
-    )
+    assert 'sglang_gateway_control_requests_total{result="ok",route="/start_profile"} 1.0' in text
 
 
 async def test_loopback_is_trusted_by_default_and_a_dead_member_is_named(
@@ -244,3 +242,45 @@ async def test_an_abort_of_a_known_rid_goes_to_its_owner_only(
     assert gw.proxy is not None
     await asyncio.sleep(0.1)
     assert gw.proxy.owners == {}
+
+
+async def test_paused_engines_get_no_new_requests_and_weight_versions_are_tracked(
+    stubs: list[StubBackend], make_gateway: GatewayFactory
+) -> None:
+    gw = await make_gateway(*(s.url for s in stubs[:2]), backends={"queue_timeout_s": 0.3})
+    gen = orjson.dumps({"text": "x", "sampling_params": {"top_k": 2}})
+    json_ct = {"Content-Type": "application/json"}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw_url(gw, "/pause_generation"), data=b'{"mode": "abort"}') as r:
+            assert r.status == 200
+        async with s.get(gw_url(gw, "/workers")) as r:
+            assert {w["state"] for w in (await r.json())["workers"]} == {"paused"}
+        # Held up to queue_timeout_s for a routable engine, then 503: nothing reaches them.
+        async with s.post(gw_url(gw, "/generate"), data=gen, headers=json_ct) as r:
+            assert r.status == 503 and r.headers["Retry-After"] == "1"
+        assert all(b.generation_requests() == [] for b in stubs[:2])
+        # A request that arrives while paused goes out as soon as the fleet continues.
+        waiting = asyncio.ensure_future(s.post(gw_url(gw, "/generate"), data=gen, headers=json_ct))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        update = b'{"model_path": "/ckpt/step-9", "weight_version": "step-9"}'
+        async with s.post(gw_url(gw, "/update_weights_from_disk"), data=update) as r:
+            assert r.status == 200
+        async with s.post(gw_url(gw, "/continue_generation"), data=b"{}") as r:
+            assert r.status == 200
+        async with await waiting as r:
+            assert r.status == 200
+        async with s.get(gw_url(gw, "/workers")) as r:
+            workers = (await r.json())["workers"]
+        assert {(w["state"], w["weight_version"]) for w in workers} == {("healthy", "step-9")}
+        async with s.post(gw_url(gw, "/release_memory_occupation"), data=b"{}") as r:
+            assert r.status == 200
+        async with s.get(gw_url(gw, "/workers")) as r:
+            assert {w["state"] for w in (await r.json())["workers"]} == {"asleep"}
+        text = await _metrics(gw)
+        assert (
+            f'sglang_gateway_backend_state{{backend="{stubs[0].url}",state="asleep"}} 1.0' in text
+        )
+        # Readiness holds while the fleet sleeps: it is not broken, it is being updated.
+        async with s.get(f"http://127.0.0.1:{gw.admin_port}/readyz") as r:
+            assert r.status == 200
