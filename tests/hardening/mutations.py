@@ -331,6 +331,37 @@ MUTATIONS = [
         "    skimmed = None",
         ["tests/hardening/test_inspection_memory.py"],
     ),
+    # -- the RL fleet (issue 10) ------------------------------------------------------------
+    (
+        "control routes open to anyone",
+        "gateway/edge/control.py",
+        '            return "key"\n        if peer is not None and self.trusted:',
+        '            return "key"\n        return "anyone"\n        if peer is not None and self.trusted:',
+        ["tests/edge/test_control.py::test_only_operators_control_the_fleet"],
+    ),
+    (
+        "control call sent to one backend",
+        "gateway/edge/proxy.py",
+        "            urls = [b.url for b in self._pool.backends]\n",
+        "            urls = [b.url for b in self._pool.backends][:1]\n",
+        ["tests/edge/test_control.py::test_each_control_call_reaches_every_backend_once"],
+    ),
+    (
+        "paused engines still routable",
+        "gateway/fleet/pool.py",
+        "        return self.available(b, now) and not b.paused and not b.asleep",
+        "        return self.available(b, now)",
+        [
+            "tests/edge/test_control.py::test_paused_engines_get_no_new_requests_and_weight_versions_are_tracked"
+        ],
+    ),
+    (
+        "registered workers routable before their first probe",
+        "gateway/fleet/membership.py",
+        'probation=cfg.discovery == "registry" and cfg.health.enabled,',
+        "probation=False,",
+        ["tests/edge/test_registry.py::test_a_new_worker_waits_for_its_first_probe"],
+    ),
 ]
 
 
