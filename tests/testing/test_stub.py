@@ -446,3 +446,42 @@ def test_the_stub_cli_keeps_little_by_default() -> None:
 
     args = _parse_args([])
     assert (args.keep, args.keep_body_bytes) == (1000, 4096)
+
+
+async def test_the_stub_plays_an_rl_engine() -> None:
+    """Pause holds new generations until continue; a weight update sets the version every
+    answer reports; memory is not released while a request runs; loads count the held."""
+    stub = StubBackend()
+    await stub.start()
+    gen = orjson.dumps({"text": "x", "sampling_params": {"max_new_tokens": 2}})
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(stub.url + "/pause_generation", json={"mode": "abort"}) as r:
+                assert r.status == 200
+            held = asyncio.ensure_future(s.post(stub.url + "/generate", data=gen))
+            await asyncio.sleep(0.1)
+            assert not held.done()
+            async with s.get(stub.url + "/v1/loads") as r:
+                (load,) = (await r.json())["loads"]
+            assert (load["num_running_reqs"], load["num_waiting_reqs"]) == (0, 1)
+            update = {"model_path": "/ckpt", "weight_version": "v7"}
+            async with s.post(stub.url + "/update_weights_from_disk", json=update) as r:
+                assert r.status == 200
+            async with s.post(stub.url + "/continue_generation", json={}) as r:
+                assert r.status == 200
+            async with await held as r:
+                assert (await r.json())["meta_info"]["weight_version"] == "v7"
+            async with s.get(stub.url + "/model_info") as r:
+                assert (await r.json())["weight_version"] == "v7"
+            slow = asyncio.ensure_future(
+                s.post(stub.url + "/generate", data=gen, headers={"X-Stub-Delay-Ms": "300"})
+            )
+            await asyncio.sleep(0.1)
+            async with s.post(stub.url + "/release_memory_occupation", json={}) as r:
+                assert r.status == 400 and (await r.json())["success"] is False
+            async with await slow as r:
+                assert r.status == 200
+            async with s.post(stub.url + "/release_memory_occupation", json={}) as r:
+                assert r.status == 200
+    finally:
+        await stub.stop()

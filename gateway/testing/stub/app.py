@@ -121,6 +121,13 @@ class StubBackend:
         self.dropped = 0
         self.disconnect_event = asyncio.Event()
         self._running = 0
+        # An RL engine's state: pause_generation holds new generations until
+        # continue_generation; weight updates set the version every answer reports.
+        self.weight_version = "default"
+        self.asleep = False
+        self._unpaused = asyncio.Event()
+        self._unpaused.set()
+        self._waiting = 0
         self._generated_tokens = 0
         self._runner: web.AppRunner | None = None
         self._host = "127.0.0.1"
@@ -225,6 +232,12 @@ class StubBackend:
             self.generations_seen += generation
             ctx = Ctx(index=self.requests_seen, sha256=digest, started=time.monotonic())
             request[CTX] = ctx
+            if generation and not self._unpaused.is_set():
+                self._waiting += 1
+                try:
+                    await self._unpaused.wait()  # paused: queued until continue_generation
+                finally:
+                    self._waiting -= 1
             response = await self._dispatch(request, handler, ctx)
         except (asyncio.CancelledError, ConnectionResetError) as exc:
             # Only the client leaving counts, not a scripted drop or our own shutdown. A write can
@@ -376,7 +389,10 @@ class StubBackend:
             return await self._stream(request, [{"text": "", "output_ids": [], "meta_info": meta}])
         if stream:
             return await self._stream(request, self._generate_events(request, items, batch, ctx))
-        outs = [generate_out(it, it.max_new, ctx.started) for it in items]
+        outs = [
+            generate_out(it, it.max_new, ctx.started, weight_version=self.weight_version)
+            for it in items
+        ]
         self._generated_tokens += sum(it.max_new for it in items)
         payload: object = outs if batch else outs[0]
         target = header_int(request, "X-Stub-Response-Bytes")
@@ -400,7 +416,9 @@ class StubBackend:
                 if step > n:
                     continue
                 self._generated_tokens += 1
-                out = generate_out(item, step, ctx.started, final=step == n)
+                out = generate_out(
+                    item, step, ctx.started, final=step == n, weight_version=self.weight_version
+                )
                 if batch:
                     out["index"] = index
                 yield out
@@ -432,7 +450,9 @@ class StubBackend:
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": "length"}
         if with_meta:
             item = Item(prompt, n, mask_k, base["id"])
-            choice["meta_info"] = generate_out(item, n, request[CTX].started)["meta_info"]
+            choice["meta_info"] = generate_out(
+                item, n, request[CTX].started, weight_version=self.weight_version
+            )["meta_info"]
         return json_response(
             base | {"object": "chat.completion", "choices": [choice]} | usage(prompt, n)
         )
@@ -503,7 +523,12 @@ class StubBackend:
         self._generated_tokens += sum(it.max_new for it in items)
         started = request[CTX].started
         return json_response(
-            {"predictions": [generate_out(it, it.max_new, started) for it in items]}
+            {
+                "predictions": [
+                    generate_out(it, it.max_new, started, weight_version=self.weight_version)
+                    for it in items
+                ]
+            }
         )
 
     # --- operational routes --------------------------------------------------------------
@@ -518,7 +543,7 @@ class StubBackend:
                 "tokenizer_path": self.model,
                 "is_generation": True,
                 "preferred_sampling_params": None,
-                "weight_version": "default",
+                "weight_version": self.weight_version,
             }
         )
 
@@ -553,13 +578,39 @@ class StubBackend:
 
     async def _engine_op(self, request: web.Request) -> web.StreamResponse:
         # SGLang answers its engine operations with {"success": ..., "message": ...}.
-        return json_response(
-            {"success": True, "message": f"{request.path[1:]} done on port {self._port}"}
-        )
+        path = request.path
+        body = await request.read()
+        parsed = parse(body) if body else {}
+        sent = parsed if isinstance(parsed, dict) else {}
+        if path == "/pause_generation":
+            self._unpaused.clear()
+        elif path == "/continue_generation":
+            self._unpaused.set()
+        elif path == "/release_memory_occupation":
+            if self._running - self._waiting > 0:
+                # SGLang asserts that no request is running before it frees the memory.
+                return json_response(
+                    {"success": False, "message": "cannot release memory: requests running"},
+                    400,
+                )
+            self.asleep = True
+        elif path == "/resume_memory_occupation":
+            self.asleep = False
+        elif path.startswith("/update_weights") and isinstance(sent.get("weight_version"), str):
+            self.weight_version = sent["weight_version"]
+        return json_response({"success": True, "message": f"{path[1:]} done on port {self._port}"})
 
     async def _loads(self, request: web.Request) -> web.StreamResponse:
         return json_response(
-            {"loads": [{"dp_rank": 0, "num_running_reqs": self._running, "num_waiting_reqs": 0}]}
+            {
+                "loads": [
+                    {
+                        "dp_rank": 0,
+                        "num_running_reqs": self._running - self._waiting,
+                        "num_waiting_reqs": self._waiting,
+                    }
+                ]
+            }
         )
 
     async def _flush_cache(self, request: web.Request) -> web.StreamResponse:

@@ -191,12 +191,14 @@ def generate_items(body: _Json) -> tuple[list[Item], bool]:
     return items, batch
 
 
-def generate_out(item: Item, n: int, started: float, *, final: bool = True) -> _Json:
+def generate_out(
+    item: Item, n: int, started: float, *, final: bool = True, weight_version: str = "default"
+) -> _Json:
     meta: _Json = {
         "id": item.rid,
         "finish_reason": {"type": "length", "length": n} if final else None,
         "prompt_tokens": item.prompt_tokens,
-        "weight_version": "default",
+        "weight_version": weight_version,
         "completion_tokens": n,
         "cached_tokens": 0,
         "e2e_latency": round(time.monotonic() - started, 6),
