@@ -96,6 +96,12 @@ def last_proxied(stub: StubBackend) -> Received:
     return next(r for r in reversed(stub.received) if "X-Forwarded-For" in r.headers)
 
 
+def proxied(stub: StubBackend) -> list[Received]:
+    """What the gateway forwarded to `stub` for its clients: its own calls (health probes,
+    the /model_info read when a backend joins) carry no X-Forwarded-For."""
+    return [r for r in stub.received if "X-Forwarded-For" in r.headers]
+
+
 def gw_url(gw: Gateway, path: str = "") -> str:
     return f"http://127.0.0.1:{gw.port}{path}"
 

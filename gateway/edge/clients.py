@@ -68,6 +68,21 @@ class AiohttpClients:
                 return ProbeResult(False, f"probe not sent: {type(exc).__name__}", counted=False)
             return ProbeResult(False, f"probe failed: {type(exc).__name__}")
 
+    async def weight_version(self, url: str, timeout_s: float) -> str | None:
+        try:
+            async with self._session.get(
+                url + "/model_info",
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+                allow_redirects=False,
+            ) as resp:
+                if resp.status != 200:
+                    return None
+                info = orjson.loads(await resp.read())
+        except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError):
+            return None
+        version = info.get("weight_version") if isinstance(info, dict) else None
+        return version if isinstance(version, str) else None
+
     def endpoint_slices(self, cfg: KubernetesConfig) -> EndpointSliceApi:
         return KubernetesApi(
             self._session,

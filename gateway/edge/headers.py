@@ -40,6 +40,7 @@ _REQUEST_DROP: Final = HOP_BY_HOP | {
 _RESPONSE_DROP: Final = HOP_BY_HOP | {"x-request-id"}
 
 REQUEST_ID: Final = "X-Request-Id"
+WEIGHT_VERSION: Final = "X-Weight-Version"  # the serving backend's weights, on replies
 # On the gateway's own replies, and on relayed ones whose backend named no server: aiohttp
 # would otherwise announce itself with its and Python's versions.
 SERVER: Final = ("Server", "sglang-gateway")

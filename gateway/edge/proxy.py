@@ -44,7 +44,13 @@ from gateway.edge.aio import CoalescingResponse
 from gateway.edge.auth import ApiKeys
 from gateway.edge.budget import InspectionBudget, parse_cost
 from gateway.edge.control import ControlAccess, FanOut, apply_state, log_action, reply_body
-from gateway.edge.headers import REQUEST_ID, SERVER, ForwardedHeaders, valid_request_id
+from gateway.edge.headers import (
+    REQUEST_ID,
+    SERVER,
+    WEIGHT_VERSION,
+    ForwardedHeaders,
+    valid_request_id,
+)
 from gateway.edge.upstream import ConnectFailed, Upstream, UpstreamBroken, UpstreamResponse
 from gateway.fleet.membership import Fleet
 from gateway.fleet.pool import Backend
@@ -611,7 +617,7 @@ class Proxy:
                 # Headers are in: from now on bound the silence between chunks, not the
                 # (much longer) wait for the first byte.
                 upstream.set_idle_timeout(settings.idle_s)
-                return await self._relay(request, upstream, exchange)
+                return await self._relay(request, upstream, exchange, backend.weight_version)
             finally:
                 self._pool.release(backend)
                 for rid in rids:
@@ -632,7 +638,11 @@ class Proxy:
         return self._reply(exchange, status, replies.render(family, status, message), outcome)
 
     async def _relay(
-        self, request: web.BaseRequest, upstream: UpstreamResponse, exchange: Exchange
+        self,
+        request: web.BaseRequest,
+        upstream: UpstreamResponse,
+        exchange: Exchange,
+        weight_version: str | None,
     ) -> web.StreamResponse:
         exchange.first_byte = time.perf_counter()
         exchange.status = upstream.status
@@ -649,6 +659,9 @@ class Proxy:
             ):
                 resp_headers.add(name, value)
             resp_headers.setdefault(*SERVER)
+            if weight_version is not None:
+                # The weights that served it, for RL: a header, so the body stays the backend's.
+                resp_headers[WEIGHT_VERSION] = weight_version
             try:
                 await resp.prepare(request)
             except ConnectionError:

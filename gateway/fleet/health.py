@@ -32,6 +32,10 @@ class ProbeResult:
 class Prober(Protocol):
     async def probe(self, url: str, timeout_s: float) -> ProbeResult: ...
 
+    async def weight_version(self, url: str, timeout_s: float) -> str | None:
+        """The weights a backend serves (its /model_info), or None if it does not say."""
+        ...
+
 
 class HealthChecker:
     def __init__(self, pool: BackendPool, prober: Prober, cfg: HealthConfig) -> None:
@@ -67,6 +71,11 @@ class HealthChecker:
             log.warning("health probe of %s: %s", backend.url, result.why)
         elif result.ok:
             self._pool.probe_ok(backend)
+            if backend.weight_version is None:
+                # Learnt once, when it joins; later updates through the gateway set it.
+                backend.weight_version = await self._prober.weight_version(
+                    backend.url, self.cfg.timeout_s
+                )
         else:
             self._pool.probe_failed(backend, result.why)
         return result.ok

@@ -17,7 +17,7 @@ import pytest
 from gateway.app import Gateway
 from gateway.edge.control import worker_id
 from gateway.testing.stub import StubBackend
-from tests.conftest import GatewayFactory, gw_url
+from tests.conftest import GatewayFactory, gw_url, wait_for
 from tests.hardening.rawnet import ScriptedBackend
 
 OPERATOR = "op-key-1"
@@ -284,3 +284,23 @@ async def test_paused_engines_get_no_new_requests_and_weight_versions_are_tracke
         # Readiness holds while the fleet sleeps: it is not broken, it is being updated.
         async with s.get(f"http://127.0.0.1:{gw.admin_port}/readyz") as r:
             assert r.status == 200
+
+
+async def test_every_reply_names_the_weights_that_served_it(
+    stub: StubBackend, make_gateway: GatewayFactory
+) -> None:
+    stub.weight_version = "w1"
+    gw = await make_gateway(stub.url)
+    await wait_for(lambda: gw.pool.backends[0].weight_version == "w1")  # read from /model_info
+    gen = orjson.dumps({"text": "x", "sampling_params": {"top_k": 2}})
+    json_ct = {"Content-Type": "application/json"}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw_url(gw, "/generate"), data=gen, headers=json_ct) as r:
+            assert r.headers["X-Weight-Version"] == "w1"
+            assert (await r.json())["meta_info"]["weight_version"] == "w1"
+        update = b'{"model_path": "/ckpt/2", "weight_version": "w2"}'
+        async with s.post(gw_url(gw, "/update_weights_from_disk"), data=update) as r:
+            assert r.status == 200
+        async with s.post(gw_url(gw, "/generate"), data=gen, headers=json_ct) as r:
+            assert r.headers["X-Weight-Version"] == "w2"
+            assert (await r.json())["meta_info"]["weight_version"] == "w2"  # body untouched
