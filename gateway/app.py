@@ -101,6 +101,7 @@ def proxy_settings(cfg: GatewayConfig) -> ProxySettings:
         attempts=b.connect_attempts,
         queue_timeout=b.queue_timeout_s,
         hash_header=b.hash_header if b.balancer == "consistent_hash" else None,
+        latest_weights=cfg.routing.weight_version == "latest",
         connect_s=t.connect_s,
         ttfb_s=t.ttfb_s,
         total_s=t.total_s,

@@ -215,6 +215,13 @@ class LimitsConfig(_Model):
     max_client_connections: Annotated[int, Field(ge=1)] | None = None
 
 
+class RoutingConfig(_Model):
+    # any: every routable backend serves; latest: only those at the weight version most
+    # recently installed through the gateway (an RL fleet mid-update never serves stale
+    # weights). A request's X-Weight-Version header asks for exactly that version instead.
+    weight_version: Literal["any", "latest"] = "any"
+
+
 class ReloadConfig(_Model):
     # Poll the config file's modification time this often and reload on change (SIGHUP
     # always reloads). None: no polling.
@@ -334,6 +341,7 @@ class GatewayConfig(_Model):
     forwarding: ForwardingConfig = ForwardingConfig()
     auth: AuthConfig = AuthConfig()
     control: ControlConfig = ControlConfig()
+    routing: RoutingConfig = RoutingConfig()
     logging: LoggingConfig = LoggingConfig()
     reload: ReloadConfig = ReloadConfig()
 

@@ -241,6 +241,7 @@ def apply_state(
         except orjson.JSONDecodeError:
             return
         version = sent.get("weight_version") if isinstance(sent, dict) else None
-        if isinstance(version, str):
+        if isinstance(version, str) and backends:
             for b in backends:
                 b.weight_version = version
+            pool.latest_version = version

@@ -103,6 +103,7 @@ class ProxySettings:
     attempts: int
     queue_timeout: float
     hash_header: str | None
+    latest_weights: bool  # routing.weight_version: latest
     connect_s: float
     ttfb_s: float  # the wait for the response head (a long prompt's prefill)
     total_s: float | None  # the whole exchange, body included
@@ -563,10 +564,13 @@ class Proxy:
         )
         data = body if request.body_exists else None
         key = request.headers.get(settings.hash_header) if settings.hash_header else None
+        version = request.headers.get(WEIGHT_VERSION)
+        if version is None and settings.latest_weights:
+            version = self._pool.latest_version
         tried: list[Backend] = []
         saturated = False
         while len(tried) < settings.attempts:
-            backend = await self._pool.acquire(tried, key, settings.queue_timeout)
+            backend = await self._pool.acquire(tried, key, settings.queue_timeout, version=version)
             if backend is None:
                 saturated = self._pool.saturated(tried)
                 break

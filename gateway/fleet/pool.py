@@ -118,6 +118,8 @@ class BackendPool:
         self._policy = policy
         self._clock = clock
         self._slot_waiters: deque[asyncio.Future[None]] = deque()
+        # The weight version most recently installed through the gateway (routing: latest).
+        self.latest_version: str | None = None
         self.update(urls)
 
     # -- membership ----------------------------------------------------------------------
@@ -188,14 +190,24 @@ class BackendPool:
     def now(self) -> float:
         return self._clock()
 
-    def pick(self, exclude: Sequence[Backend] = (), key: str | None = None) -> Backend | None:
-        """A routable backend below its concurrency cap, or None."""
+    def pick(
+        self,
+        exclude: Sequence[Backend] = (),
+        key: str | None = None,
+        *,
+        version: str | None = None,
+    ) -> Backend | None:
+        """A routable backend below its concurrency cap (serving weights `version`, when
+        one is asked for), or None."""
         now = self._clock()
         cap = self._policy.max_inflight
         candidates = [
             b
             for b in self.backends
-            if self.routable(b, now) and (cap is None or b.inflight < cap) and b not in exclude
+            if self.routable(b, now)
+            and (cap is None or b.inflight < cap)
+            and b not in exclude
+            and (version is None or b.weight_version == version)
         ]
         if not candidates:
             return None
@@ -212,22 +224,27 @@ class BackendPool:
         return any(self.routable(b, now) and b not in exclude for b in self.backends)
 
     async def acquire(
-        self, exclude: Sequence[Backend], key: str | None, wait_s: float
+        self,
+        exclude: Sequence[Backend],
+        key: str | None,
+        wait_s: float,
+        *,
+        version: str | None = None,
     ) -> Backend | None:
         """Take a slot on a backend for the next attempt: picked and counted in flight.
 
         If every routable backend is at its concurrency cap, wait up to `wait_s` for a slot
         rather than overload one or fail at once; None when there is none to have.
         """
-        backend = self.pick(exclude, key)
+        backend = self.pick(exclude, key, version=version)
         if backend is None and wait_s > 0 and (self.saturated(exclude) or self.held(exclude)):
-            backend = await self._wait_for_slot(exclude, key, wait_s)
+            backend = await self._wait_for_slot(exclude, key, wait_s, version)
         if backend is not None:
             backend.inflight += 1
         return backend
 
     async def _wait_for_slot(
-        self, exclude: Sequence[Backend], key: str | None, wait_s: float
+        self, exclude: Sequence[Backend], key: str | None, wait_s: float, version: str | None
     ) -> Backend | None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
@@ -242,7 +259,7 @@ class BackendPool:
             finally:
                 if not waiter.done():
                     waiter.cancel()
-            backend = self.pick(exclude, key)
+            backend = self.pick(exclude, key, version=version)
             if backend is not None or not (self.saturated(exclude) or self.held(exclude)):
                 return backend
         return None

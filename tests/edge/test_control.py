@@ -304,3 +304,35 @@ async def test_every_reply_names_the_weights_that_served_it(
         async with s.post(gw_url(gw, "/generate"), data=gen, headers=json_ct) as r:
             assert r.headers["X-Weight-Version"] == "w2"
             assert (await r.json())["meta_info"]["weight_version"] == "w2"  # body untouched
+
+
+async def test_requests_go_to_the_weights_they_ask_for(
+    stubs: list[StubBackend], make_gateway: GatewayFactory
+) -> None:
+    old, new = stubs[0], stubs[1]
+    gw = await make_gateway(
+        old.url,
+        new.url,
+        routing={"weight_version": "latest"},
+        backends={"queue_timeout_s": 0.2},
+    )
+    await wait_for(lambda: all(b.weight_version == "default" for b in gw.pool.backends))
+    gen = orjson.dumps({"text": "x", "sampling_params": {"top_k": 2}})
+    json_ct = {"Content-Type": "application/json"}
+    async with aiohttp.ClientSession() as s:
+        update = b'{"serialized_named_tensors": [], "weight_version": "v2"}'
+        path = f"/workers/{worker_id(new.url)}/update_weights_from_tensor"
+        async with s.post(gw_url(gw, path), data=update) as r:
+            assert r.status == 200
+        # latest: only the engine at v2 serves now.
+        for _ in range(6):
+            async with s.post(gw_url(gw, "/generate"), data=gen, headers=json_ct) as r:
+                assert r.status == 200 and r.headers["X-Weight-Version"] == "v2"
+        assert old.generation_requests() == [] and len(new.generation_requests()) == 6
+        # A request may ask for other weights by name; none at that version: 503.
+        pinned = {**json_ct, "X-Weight-Version": "default"}
+        async with s.post(gw_url(gw, "/generate"), data=gen, headers=pinned) as r:
+            assert r.status == 200 and r.headers["X-Weight-Version"] == "default"
+        missing = {**json_ct, "X-Weight-Version": "v9"}
+        async with s.post(gw_url(gw, "/generate"), data=gen, headers=missing) as r:
+            assert r.status == 503
