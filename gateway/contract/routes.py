@@ -173,8 +173,11 @@ class RouteTable:
             if path in by_path and by_path[path].inspected:
                 # An inspected route configured as passthrough would be a hole in the filter.
                 raise ValueError(f"{path} is a generation route and cannot be passthrough")
-            if path in by_path and by_path[path].kind is Kind.CONTROL:
-                # Forwarded to one backend, a fleet operation would reach one engine of N.
+            if (path in by_path and by_path[path].kind in (Kind.CONTROL, Kind.REGISTRY)) or (
+                path.startswith(_WORKER_PREFIX)
+            ):
+                # Forwarded to one backend, a fleet operation would reach one engine of N, and
+                # without the operator check the gateway applies to it.
                 raise ValueError(f"{path} is a fleet control route and cannot be passthrough")
             by_path[path] = Route(
                 path,

@@ -24,7 +24,7 @@ from typing import Any, Final
 import orjson
 
 from gateway.edge.auth import ApiKeys
-from gateway.edge.failures import ConnectFailed, UpstreamBroken
+from gateway.edge.failures import ConnectFailed
 from gateway.edge.upstream import Upstream
 from gateway.fleet.pool import BackendPool, worker_id
 
@@ -164,9 +164,7 @@ class FanOut:
             return BackendResult(url, 0, f"could not connect ({exc.cause})")
         except TimeoutError:
             return BackendResult(url, 0, f"no answer within {timeout_s:g} s")
-        except (UpstreamBroken, OSError, ValueError) as exc:
-            return BackendResult(url, 0, f"broken answer ({type(exc).__name__})")
-        except Exception as exc:  # aiohttp's parser errors: the exchange broke
+        except Exception as exc:  # UpstreamBroken, OSError, aiohttp's parser errors
             return BackendResult(url, 0, f"broken answer ({type(exc).__name__})")
         return BackendResult(url, resp.status, _decode(data), data, content_type)
 

@@ -367,7 +367,7 @@ class Proxy:
         target = raw_path
         if route.path == ADDRESSED_PATH:
             worker, _, rest = raw_path[len("/workers/") :].partition("/")
-            backend = next((b for b in self._pool.backends if worker in (b.id, b.url)), None)
+            backend = self._pool.find(worker)
             if backend is None:
                 fanout.count(route.path, "failed")
                 missing = replies.render(Family.PLAIN, 404, f"No worker {worker!r}.")

@@ -24,7 +24,7 @@ import orjson
 from gateway.config import normalize_backend_url
 from gateway.contract.routes import PER_ENGINE_ROUTES, WORKER_PATH
 from gateway.fleet.membership import Fleet
-from gateway.fleet.pool import Backend, Health
+from gateway.fleet.pool import Backend, Health, worker_id
 from gateway.fleet.registry import RegistryError
 
 Answer = tuple[int, bytes]
@@ -64,10 +64,6 @@ def _error(status: int, message: str) -> Answer:
     return _json(status, {"detail": message})
 
 
-def _find(fleet: Fleet, worker: str) -> Backend | None:
-    return next((b for b in fleet.pool.backends if worker in (b.id, b.url)), None)
-
-
 def handle(fleet: Fleet, method: str, path: str, raw_path: str, body: bytes) -> Answer:
     """Answer one registry call; `path` is the route (WORKER_PATH for /workers/{id})."""
     query = parse_qs(raw_path.partition("?")[2])
@@ -79,7 +75,7 @@ def handle(fleet: Fleet, method: str, path: str, raw_path: str, body: bytes) -> 
         )
     if path == WORKER_PATH:
         worker = raw_path.partition("?")[0].rstrip("/").rsplit("/", 1)[1]
-        backend = _find(fleet, worker)
+        backend = fleet.pool.find(worker)
         if backend is None:
             return _error(404, f"No worker {worker!r}.")
         if method == "GET":
@@ -91,7 +87,7 @@ def handle(fleet: Fleet, method: str, path: str, raw_path: str, body: bytes) -> 
         return _json(200, {"urls": [b.url for b in fleet.pool.backends]})
     if path == "/remove_worker":
         url = (query.get("url") or [""])[0]
-        backend = _find(fleet, _normal(url))
+        backend = fleet.pool.find(_normal(url))
         if backend is None:
             return _error(404, f"No worker at {url!r}.")
         return _remove(fleet, backend.url)
@@ -114,7 +110,7 @@ def handle(fleet: Fleet, method: str, path: str, raw_path: str, body: bytes) -> 
         url, _ = registry.add(fields.get("url"), extras)
     except RegistryError as exc:
         return _error(400, str(exc))
-    backend = _find(fleet, url)
+    backend = fleet.pool.find(url)
     assert backend is not None  # published to the pool at once
     return _json(200, _worker(fleet, backend))
 
@@ -137,4 +133,4 @@ def _remove(fleet: Fleet, url: str) -> Answer:
     if registry is None:
         return _error(409, _NOT_REGISTRY.format(fleet.cfg.discovery))
     registry.remove(url)
-    return _json(200, {"success": True, "id": Backend(url).id, "url": url})
+    return _json(200, {"success": True, "id": worker_id(url), "url": url})

@@ -283,6 +283,10 @@ class BackendPool:
         # Paused or asleep engines still count: an RL fleet mid weight-update is not broken.
         return any(b.health in ok and self.available(b, now) for b in self.backends)
 
+    def find(self, worker: str) -> Backend | None:
+        """The member a worker id or URL names (the registry and addressed calls use both)."""
+        return next((b for b in self.backends if worker in (b.id, b.url)), None)
+
     def ejected(self, b: Backend) -> bool:
         return b.ejected_until > self._clock()
 

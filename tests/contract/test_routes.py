@@ -104,6 +104,15 @@ def test_a_control_route_cannot_be_made_passthrough() -> None:
         RouteTable(extra_passthrough=["/pause_generation"])
 
 
+@pytest.mark.parametrize(
+    "path", ["/workers", "/add_worker", "/init_weights_update_group", "/workers/abc/x"]
+)
+def test_registry_and_per_engine_routes_cannot_be_made_passthrough(path: str) -> None:
+    """A passthrough would forward them to one backend without the operator check."""
+    with pytest.raises(ValueError, match="fleet control route"):
+        RouteTable(extra_passthrough=[path])
+
+
 def test_operational_methods() -> None:
     routes = {p: TABLE.match(p) for p in ("/health", "/abort_request", "/flush_cache")}
     assert {p: r.methods for p, r in routes.items() if r is not None} == {
