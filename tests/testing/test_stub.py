@@ -485,3 +485,97 @@ async def test_the_stub_plays_an_rl_engine() -> None:
                 assert r.status == 200
     finally:
         await stub.stop()
+
+
+async def _until(check: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_abort_request_ends_in_flight_generations(
+    stub: StubBackend, session: aiohttp.ClientSession
+) -> None:
+    slow = {"X-Stub-Delay-Ms": "5000"}
+    mine = asyncio.ensure_future(
+        post(session, f"{stub.url}/generate", {"text": "x", "rid": "r-1"}, slow)
+    )
+    other = asyncio.ensure_future(
+        post(session, f"{stub.url}/generate", {"text": ["a", "b"], "rid": ["r-2", "r-3"]}, slow)
+    )
+    await _until(lambda: stub.generations_seen == 2)
+    async with session.post(f"{stub.url}/abort_request", json={"rid": "r-1"}) as r:
+        assert r.status == 200 and await r.read() == b""
+    status, out, _ = await mine
+    assert status == 200 and out["meta_info"]["id"] == "r-1"
+    assert out["meta_info"]["finish_reason"] == {"type": "abort", "message": "Abort request"}
+    assert not other.done() and stub.aborted == 1
+    body = {"abort_all": True, "abort_message": "weights changing"}
+    async with session.post(f"{stub.url}/abort_request", json=body) as r:
+        assert r.status == 200
+    status, outs, _ = await other
+    assert [o["meta_info"]["id"] for o in outs] == ["r-2", "r-3"]
+    assert {o["meta_info"]["finish_reason"]["message"] for o in outs} == {"weights changing"}
+    assert stub.aborted == 2
+
+
+async def test_abort_ends_a_stream_with_an_abort_event(
+    stub: StubBackend, session: aiohttp.ClientSession
+) -> None:
+    headers = {"X-Stub-Chunk-Delay-Ms": "50", "X-Stub-Events": "200"}
+    body = {"text": "x", "stream": True, "rid": "s-1"}
+    async with session.post(f"{stub.url}/generate", json=body, headers=headers) as resp:
+        first = await resp.content.readuntil(b"\n\n")
+        assert orjson.loads(first[6:])["meta_info"]["finish_reason"] is None
+        async with session.post(f"{stub.url}/abort_request", json={"abort_all": True}) as r:
+            assert r.status == 200
+        events = await sse(resp)
+    assert events[-1] == b"[DONE]"
+    assert orjson.loads(events[-2])["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(events) < 100
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+async def test_pause_that_keeps_running_requests_holds_them(
+    stub: StubBackend, session: aiohttp.ClientSession, mode: str
+) -> None:
+    headers = {"X-Stub-Chunk-Delay-Ms": "20", "X-Stub-Events": "10"}
+    body = {"text": "x", "stream": True}
+    async with session.post(f"{stub.url}/generate", json=body, headers=headers) as resp:
+        await resp.content.readuntil(b"\n\n")
+        async with session.post(f"{stub.url}/pause_generation", json={"mode": mode}) as r:
+            assert r.status == 200
+        await asyncio.sleep(0.2)
+        async with session.get(f"{stub.url}/v1/loads") as r:
+            (load,) = (await r.json())["loads"]
+        expected = (0, 1) if mode == "retract" else (1, 0)
+        assert (load["num_running_reqs"], load["num_waiting_reqs"]) == expected
+        async with session.post(f"{stub.url}/flush_cache") as r:
+            assert r.status == 400  # a request is still held
+        async with session.post(f"{stub.url}/continue_generation", json={}) as r:
+            assert r.status == 200
+        events = await sse(resp)
+    final = orjson.loads(events[-2])["meta_info"]["finish_reason"]
+    assert final["type"] == "length" and stub.aborted == 0
+
+
+async def test_pause_in_abort_mode_aborts_running_requests(
+    stub: StubBackend, session: aiohttp.ClientSession
+) -> None:
+    running = asyncio.ensure_future(
+        post(session, f"{stub.url}/generate", {"text": "x"}, {"X-Stub-Delay-Ms": "5000"})
+    )
+    await _until(lambda: stub.generations_seen == 1)
+    async with session.post(f"{stub.url}/pause_generation", json={}) as r:
+        assert r.status == 200
+    status, out, _ = await running
+    assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort"
+    async with session.post(f"{stub.url}/pause_generation", json={"mode": "later"}) as r:
+        assert r.status == 400
+    async with session.post(f"{stub.url}/flush_cache") as r:
+        assert r.status == 200  # idle, and paused with abort rather than in place
+    async with session.post(f"{stub.url}/pause_generation", json={"mode": "in_place"}) as r:
+        assert r.status == 200
+    async with session.post(f"{stub.url}/flush_cache") as r:
+        assert r.status == 400

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import time
@@ -35,6 +36,7 @@ from gateway.testing.stub.faults import (
     PAD_RESERVE,
     PAD_SENTINEL,
     Ctx,
+    Run,
     header_int,
     padded_rows,
 )
@@ -76,6 +78,25 @@ class Received:
 
 def _sse(obj: object) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def _run_of(body: bytes) -> Run:
+    """The rids a generation carries (the `rid` field, a string or a list for a batch)."""
+    try:
+        parsed = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError:
+        parsed = None
+    sent: _Json = parsed if isinstance(parsed, dict) else {}
+    rid, text, ids = sent.get("rid"), sent.get("text"), sent.get("input_ids")
+    if isinstance(rid, str):
+        rids = frozenset({rid})
+    elif isinstance(rid, list):
+        rids = frozenset(r for r in rid if isinstance(r, str))
+    else:
+        rids = frozenset()
+    batch = isinstance(rid, list) or isinstance(text, list)
+    batch = batch or (isinstance(ids, list) and bool(ids) and isinstance(ids[0], list))
+    return Run(rids, batch)
 
 
 class StubBackend:
@@ -125,6 +146,10 @@ class StubBackend:
         # continue_generation; weight updates set the version every answer reports.
         self.weight_version = "default"
         self.asleep = False
+        self.pause_mode: str | None = None  # abort, retract or in_place while paused
+        self.aborted = 0  # generations ended by abort_request or pause_generation
+        self._abort_message = "Abort request"
+        self._runs: set[Run] = set()
         self._unpaused = asyncio.Event()
         self._unpaused.set()
         self._waiting = 0
@@ -220,6 +245,7 @@ class StubBackend:
     async def _middleware(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
         generation = request.path in GENERATION_PATHS
         self._running += generation
+        run: Run | None = None
         try:
             body = await request.read()
             digest = hashlib.sha256(body).hexdigest()
@@ -232,12 +258,9 @@ class StubBackend:
             self.generations_seen += generation
             ctx = Ctx(index=self.requests_seen, sha256=digest, started=time.monotonic())
             request[CTX] = ctx
-            if generation and not self._unpaused.is_set():
-                self._waiting += 1
-                try:
-                    await self._unpaused.wait()  # paused: queued until continue_generation
-                finally:
-                    self._waiting -= 1
+            if generation:
+                ctx.run = run = _run_of(body)
+                self._runs.add(run)
             response = await self._dispatch(request, handler, ctx)
         except (asyncio.CancelledError, ConnectionResetError) as exc:
             # Only the client leaving counts, not a scripted drop or our own shutdown. A write can
@@ -251,6 +274,8 @@ class StubBackend:
             return web.Response()  # nobody is left to read it
         finally:
             self._running -= generation
+            if run is not None:
+                self._runs.discard(run)
         if ctx.dropped:
             self.dropped += 1
         else:
@@ -271,7 +296,10 @@ class StubBackend:
             status = self.fail_status
         ctx.drop = request.headers.get("X-Stub-Drop") or (self.drop if gen else None)
 
-        if delay > 0:
+        if gen:
+            if await self._hold(ctx, delay, arriving=True):
+                return self._aborted_reply(request, ctx)
+        elif delay > 0:
             await asyncio.sleep(delay)
         if ctx.drop == "before-headers":
             self._abort(request, ctx)
@@ -320,6 +348,60 @@ class StubBackend:
         if (request_id := request.headers.get("X-Request-Id")) is not None:
             response.headers["X-Request-Id"] = request_id
 
+    async def _hold(self, ctx: Ctx, delay: float, *, arriving: bool = False) -> bool:
+        """One step of a generation: `delay` seconds, then for as long as the engine is
+        paused. True when the generation was aborted meanwhile, which ends it at once.
+
+        New requests and retracted ones wait in the queue (`waiting` in /v1/loads);
+        `in_place` keeps running ones where they are (still `running`)."""
+        run = ctx.run
+        if run is None:
+            if delay > 0:
+                await asyncio.sleep(delay)
+            return False
+        if delay > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(run.aborted.wait(), delay)
+        if self._unpaused.is_set() or run.aborted.is_set():
+            return run.aborted.is_set()
+        queued = arriving or self.pause_mode != "in_place"
+        self._waiting += queued
+        try:
+            waits = {
+                asyncio.ensure_future(self._unpaused.wait()),
+                asyncio.ensure_future(run.aborted.wait()),
+            }
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+        finally:
+            self._waiting -= queued
+        return run.aborted.is_set()
+
+    def _abort_runs(self, runs: Iterable[Run]) -> None:
+        for run in runs:
+            if not run.aborted.is_set():
+                run.aborted.set()
+                self.aborted += 1
+
+    def _aborted_out(self, request: web.Request, ctx: Ctx) -> list[_Json]:
+        """What an aborted generation answers: SGLang's finish_reason of type abort."""
+        run = ctx.run
+        rids = sorted(run.rids) if run is not None and run.rids else [uuid.uuid4().hex]
+        reason = {"type": "abort", "message": self._abort_message}
+        if request.path == "/generate":
+            meta = {"finish_reason": reason, "weight_version": self.weight_version}
+            return [{"text": "", "output_ids": [], "meta_info": {"id": rid} | meta} for rid in rids]
+        choice = {"index": 0, "text": "", "finish_reason": "abort"}
+        return [{"id": rids[0], "choices": [choice]}]
+
+    def _aborted_reply(self, request: web.Request, ctx: Ctx) -> web.StreamResponse:
+        outs = self._aborted_out(request, ctx)
+        batch = ctx.run is not None and ctx.run.batch
+        return json_response(outs if batch else outs[0])
+
     @staticmethod
     def _abort(request: web.Request, ctx: Ctx) -> None:
         ctx.dropped = True
@@ -359,8 +441,10 @@ class StubBackend:
         for i, event in enumerate(events):
             if ctx.drop == "mid-body" and i >= MID_BODY_EVENTS:
                 break
-            if i and ctx.chunk_delay_s > 0:
-                await asyncio.sleep(ctx.chunk_delay_s)
+            if await self._hold(ctx, ctx.chunk_delay_s if i else 0.0):
+                for out in self._aborted_out(request, ctx):
+                    await resp.write(_sse(out))
+                break
             await resp.write(_sse(event))
         if ctx.drop == "mid-body":
             self._abort(request, ctx)
@@ -574,6 +658,16 @@ class StubBackend:
         return json_response({"object": "list", "data": [card]})
 
     async def _abort_request(self, request: web.Request) -> web.StreamResponse:
+        # SGLang answers 200 with no body whether or not the rid was found.
+        body = await request.read()
+        parsed = parse(body) if body else {}
+        sent = parsed if isinstance(parsed, dict) else {}
+        message = sent.get("abort_message")
+        self._abort_message = message if isinstance(message, str) else "Abort request"
+        if lax_bool(sent.get("abort_all")):
+            self._abort_runs(list(self._runs))
+        elif isinstance(rid := sent.get("rid"), str):
+            self._abort_runs([r for r in self._runs if rid in r.rids])
         return web.Response()
 
     async def _engine_op(self, request: web.Request) -> web.StreamResponse:
@@ -583,8 +677,16 @@ class StubBackend:
         parsed = parse(body) if body else {}
         sent = parsed if isinstance(parsed, dict) else {}
         if path == "/pause_generation":
+            mode = sent.get("mode", "abort")
+            if mode not in ("abort", "retract", "in_place"):
+                raise Reject(f"mode must be abort, retract or in_place, not {mode!r}")
+            if mode == "abort":  # running requests end; retract and in_place keep them
+                self._abort_message = "Abort request"
+                self._abort_runs(list(self._runs))
+            self.pause_mode = mode
             self._unpaused.clear()
         elif path == "/continue_generation":
+            self.pause_mode = None
             self._unpaused.set()
         elif path == "/release_memory_occupation":
             if self._running - self._waiting > 0:
@@ -614,6 +716,14 @@ class StubBackend:
         )
 
     async def _flush_cache(self, request: web.Request) -> web.StreamResponse:
+        if self._runs or self.pause_mode == "in_place":
+            # SGLang flushes only an idle engine (and never one paused in place).
+            return web.Response(
+                status=400,
+                text="Cache not flushed. Please check backend logs for more details. "
+                "(When there are running or waiting requests, the operation will not be "
+                "performed.)\n",
+            )
         return web.Response(text="Cache flushed.\nPlease check backend logs for more details.\n")
 
     async def _metrics(self, request: web.Request) -> web.StreamResponse:

@@ -4,8 +4,9 @@ middle of the body, padded bodies of a given size)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
@@ -28,6 +29,16 @@ class Ctx:
     drop: str | None = None
     chunk_delay_s: float = 0.0
     dropped: bool = False
+    run: Run | None = None  # set on generation requests
+
+
+@dataclass(eq=False, slots=True)
+class Run:
+    """A generation in flight, as abort_request and pause_generation find it."""
+
+    rids: frozenset[str]
+    batch: bool
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 CTX = web.RequestKey("stub_ctx", Ctx)
