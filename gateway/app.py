@@ -32,6 +32,7 @@ from gateway.edge.upstream import Upstream
 from gateway.fleet.discovery import Resolver
 from gateway.fleet.membership import Fleet
 from gateway.fleet.pool import BackendPool
+from gateway.fleet.shared import SharedState
 from gateway.ops.admin import make_admin_app
 from gateway.ops.lifecycle import hold_lifeline, read_reload, watch_mtime
 from gateway.ops.metrics import FleetCollector, Metrics
@@ -197,7 +198,7 @@ class Gateway:
             return False, "no healthy backend"
         return True, "ok"
 
-    async def start(self, *, reuse_port: bool = False) -> None:
+    async def start(self, *, reuse_port: bool = False, shared: SharedState | None = None) -> None:
         cfg = self.cfg
         install_log_redaction()
         self._session = make_session(cfg)
@@ -228,6 +229,11 @@ class Gateway:
             read_bufsize=BUFFERED_BODY_MAX,
         )
         self._http_server = server
+        # The fleet first: a worker restarted under --workers serves only once it knows the
+        # registry and engine states its siblings share.
+        self.fleet.start(AiohttpClients(self._session))
+        if shared is not None:
+            await self.fleet.join(shared)
         # aiohttp's own shutdown waits its timeout for handlers, then as long again for the
         # cancelled ones: the grace is applied by stop() instead, and aiohttp only gets the
         # short wait after cancelling what outlived it.
@@ -252,7 +258,6 @@ class Gateway:
         ).start()
         self.admin_port = _bound_port(self._admin_runner)
 
-        self.fleet.start(AiohttpClients(self._session))
         if cfg.reload.watch_interval_s is not None and self.config_path is not None:
             self._watch_task = asyncio.create_task(
                 watch_mtime(self.config_path, cfg.reload.watch_interval_s, self.reload),
@@ -342,15 +347,16 @@ async def serve(
     *,
     config_path: str | None = None,
     overrides: dict[str, object] | None = None,
-    worker: bool = False,
+    worker_index: int | None = None,
 ) -> None:
     """Run until SIGTERM or SIGINT (reloading on SIGHUP), then drain and return.
 
     As one of several --workers: share the port and report the private admin port.
     """
     gateway = Gateway(cfg, config_path=config_path, overrides=overrides)
+    worker = worker_index is not None
     async with runtime.Signals(on_hup=gateway.reload) as signals:
-        await gateway.start(reuse_port=worker)
+        await gateway.start(reuse_port=worker, shared=SharedState.from_env(worker_index))
         if worker:
 
             def orphaned() -> None:

@@ -126,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 cfg,
                 config_path=args.config,
                 overrides=_overrides(args),
-                worker=args.worker_index is not None,
+                worker_index=args.worker_index,
             )
         )
     except (OSError, ValueError) as exc:

@@ -345,14 +345,6 @@ class GatewayConfig(_Model):
     logging: LoggingConfig = LoggingConfig()
     reload: ReloadConfig = ReloadConfig()
 
-    @model_validator(mode="after")
-    def _one_registry(self) -> GatewayConfig:
-        if self.backends.discovery == "registry" and self.listen.workers > 1:
-            # Each worker process would hold its own membership: a worker registered through
-            # one would be unknown to the others.
-            raise ValueError("registry discovery runs with listen.workers: 1 for now")
-        return self
-
 
 # Settings that need new sockets or a new connection pool: a reload cannot change them.
 RESTART_ONLY: Final = (

@@ -27,6 +27,7 @@ from gateway.edge.auth import ApiKeys
 from gateway.edge.failures import ConnectFailed
 from gateway.edge.upstream import Upstream
 from gateway.fleet.pool import BackendPool, worker_id
+from gateway.fleet.shared import Change
 
 log = logging.getLogger("gateway.control")
 
@@ -219,9 +220,10 @@ _WEIGHT_UPDATES: Final = frozenset(
 
 def apply_state(
     pool: BackendPool, target: str, body: bytes, results: Sequence[BackendResult]
-) -> None:
+) -> Change:
     """Record on each backend that answered 2xx what the call did to it: paused, asleep, or
-    the weight version it now serves (the `weight_version` the caller sent)."""
+    the weight version it now serves (the `weight_version` the caller sent), and return it
+    as a change the other worker processes take too."""
     path = target.partition("?")[0]
     ok = {r.url for r in results if r.ok}
     backends = [b for b in pool.backends if b.url in ok]
@@ -232,14 +234,29 @@ def apply_state(
             setattr(b, field, value)
         if not value:
             pool.wake_waiters()  # requests held for a paused or asleep fleet may go now
-        return
-    if path in _WEIGHT_UPDATES and body:
-        try:
-            sent = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            return
-        version = sent.get("weight_version") if isinstance(sent, dict) else None
-        if isinstance(version, str) and backends:
-            for b in backends:
-                b.weight_version = version
-            pool.latest_version = version
+        return Change(states={b.url: {field: value} for b in backends})
+    version = _sent_version(body) if path in _WEIGHT_UPDATES else None
+    if version is None or not backends:
+        return Change()
+    for b in backends:
+        b.weight_version = version
+    pool.latest_version = version
+    return Change(
+        states={b.url: {"weight_version": version} for b in backends}, latest_version=version
+    )
+
+
+def updated_weights(target: str, results: Sequence[BackendResult]) -> list[str]:
+    """The backends a weight update succeeded on (their version is then read back)."""
+    if target.partition("?")[0] not in _WEIGHT_UPDATES:
+        return []
+    return [r.url for r in results if r.ok]
+
+
+def _sent_version(body: bytes) -> str | None:
+    try:
+        sent = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError:
+        return None
+    version = sent.get("weight_version") if isinstance(sent, dict) else None
+    return version if isinstance(version, str) else None

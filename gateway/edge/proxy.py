@@ -43,7 +43,14 @@ from gateway.edge.admission import inspect_large
 from gateway.edge.aio import CoalescingResponse
 from gateway.edge.auth import ApiKeys
 from gateway.edge.budget import InspectionBudget, parse_cost
-from gateway.edge.control import ControlAccess, FanOut, apply_state, log_action, reply_body
+from gateway.edge.control import (
+    ControlAccess,
+    FanOut,
+    apply_state,
+    log_action,
+    reply_body,
+    updated_weights,
+)
 from gateway.edge.headers import (
     REQUEST_ID,
     SERVER,
@@ -58,6 +65,9 @@ from gateway.ops.observe import Exchange, Observer
 from gateway.ops.redact import describe
 
 log = logging.getLogger("gateway.edge.proxy")
+
+# How long a weight update's reply waits for each engine's /model_info.
+_VERSION_READ_S: Final = 10.0
 
 _JSON: Final = "application/json"
 _CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -345,9 +355,10 @@ class Proxy:
         if isinstance(body, web.Response):
             return body
         if route.kind is Kind.REGISTRY:
-            status, answer = registry_api.handle(
+            status, answer, change = registry_api.handle(
                 self._fleet, request.method, route.path, raw_path, body
             )
+            await self._fleet.share(change)
             result = "ok" if status < 400 else "failed"
             fanout.count(route.path, result)
             if request.method != "GET":
@@ -400,7 +411,14 @@ class Proxy:
             timeout_s=settings.control_timeout,
         )
         log_action(route.path, caller, request.remote, results)
-        apply_state(self._pool, target, body, results)
+        change = apply_state(self._pool, target, body, results)
+        if updated := updated_weights(target, results):
+            # The engine's own word on what it now serves, over what the call asked for.
+            read = await self._fleet.confirm_versions(
+                updated, min(settings.control_timeout, _VERSION_READ_S)
+            )
+            change = change.then(read)
+        await self._fleet.share(change)
         ok = all(r.ok for r in results)
         fanout.count(route.path, "ok" if ok else "failed")
         exchange.attempts = len(results)

@@ -26,8 +26,11 @@ from gateway.contract.routes import PER_ENGINE_ROUTES, WORKER_PATH
 from gateway.fleet.membership import Fleet
 from gateway.fleet.pool import Backend, Health, worker_id
 from gateway.fleet.registry import RegistryError
+from gateway.fleet.shared import Change
 
-Answer = tuple[int, bytes]
+# The status, the body, and what the call changed (for the gateway's other workers).
+Answer = tuple[int, bytes, Change]
+_UNCHANGED = Change()
 
 
 def _worker(fleet: Fleet, backend: Backend) -> dict[str, Any]:
@@ -56,8 +59,8 @@ def _worker(fleet: Fleet, backend: Backend) -> dict[str, Any]:
     }
 
 
-def _json(status: int, obj: object) -> Answer:
-    return status, orjson.dumps(obj)
+def _json(status: int, obj: object, change: Change = _UNCHANGED) -> Answer:
+    return status, orjson.dumps(obj), change
 
 
 def _error(status: int, message: str) -> Answer:
@@ -107,12 +110,13 @@ def handle(fleet: Fleet, method: str, path: str, raw_path: str, body: bytes) -> 
         return _error(409, _NOT_REGISTRY.format(fleet.cfg.discovery))
     extras = {k: v for k, v in fields.items() if k != "url"}
     try:
-        url, _ = registry.add(fields.get("url"), extras)
+        url, new = registry.add(fields.get("url"), extras)
     except RegistryError as exc:
         return _error(400, str(exc))
     backend = fleet.pool.find(url)
     assert backend is not None  # published to the pool at once
-    return _json(200, _worker(fleet, backend))
+    change = Change(added={url: registry.extras(url)}) if new else _UNCHANGED
+    return _json(200, _worker(fleet, backend), change)
 
 
 _NOT_REGISTRY = (
@@ -133,4 +137,5 @@ def _remove(fleet: Fleet, url: str) -> Answer:
     if registry is None:
         return _error(409, _NOT_REGISTRY.format(fleet.cfg.discovery))
     registry.remove(url)
-    return _json(200, {"success": True, "id": worker_id(url), "url": url})
+    change = Change(removed=frozenset({url}))
+    return _json(200, {"success": True, "id": worker_id(url), "url": url}, change)

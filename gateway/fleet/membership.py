@@ -24,6 +24,7 @@ from gateway.fleet.discovery import (
 from gateway.fleet.health import HealthChecker, Prober
 from gateway.fleet.pool import BackendPool, EjectionRules, PoolRules
 from gateway.fleet.registry import WorkerRegistry
+from gateway.fleet.shared import Change, Document, SharedState
 
 log = logging.getLogger("gateway.fleet.membership")
 
@@ -69,6 +70,8 @@ class Fleet:
         self._discovery_task: asyncio.Task[None] | None = None
         self._health: HealthChecker | None = None
         self._clients: FleetClients | None = None
+        self.shared: SharedState | None = None
+        self._follow_task: asyncio.Task[None] | None = None
 
     def _make_discovery(self, cfg: BackendsConfig, clients: FleetClients) -> Discovery:
         if cfg.discovery == "dns":
@@ -136,7 +139,63 @@ class Fleet:
             self._start_discovery(cfg, self._clients)
         self._health.sync(self.pool.backends)
 
+    # -- state shared by the worker processes of one gateway (gateway/fleet/shared.py) -------
+
+    async def join(self, shared: SharedState) -> None:
+        """Adopt the fleet the other workers know, then follow its changes."""
+        self.shared = shared
+        doc = await asyncio.to_thread(shared.load_if_changed)
+        if doc is not None:
+            self.adopt(doc)
+            await asyncio.to_thread(shared.acknowledge, int(doc.get("generation", 0)))
+        self._follow_task = asyncio.create_task(shared.follow(self.adopt), name="fleet-shared")
+
+    def adopt(self, doc: Document) -> None:
+        """Take the shared document's membership and engine states as this worker's."""
+        members = doc.get("members")
+        if self.registry is not None and isinstance(members, dict):
+            self.registry.replace(members)
+        states = doc.get("backends") or {}
+        woke = False
+        for b in self.pool.backends:
+            st = states.get(b.url)
+            if not st:
+                continue
+            held = b.paused or b.asleep
+            b.paused = bool(st.get("paused", b.paused))
+            b.asleep = bool(st.get("asleep", b.asleep))
+            if isinstance(version := st.get("weight_version"), str):
+                b.weight_version = version
+            woke = woke or (held and not (b.paused or b.asleep))
+        if isinstance(latest := doc.get("latest_version"), str):
+            self.pool.latest_version = latest
+        if woke:
+            self.pool.wake_waiters()
+
+    async def share(self, change: Change) -> None:
+        """Hand a change this worker made to its siblings (nothing to do when alone)."""
+        if self.shared is not None:
+            await self.shared.record(change)
+
+    async def confirm_versions(self, urls: list[str], timeout_s: float) -> Change:
+        """Ask each engine which weights it serves now (its /model_info) and take its
+        answer, whatever the call that changed them said."""
+        if self._clients is None:
+            return Change()
+        clients = self._clients
+        found = await asyncio.gather(*(clients.weight_version(u, timeout_s) for u in urls))
+        read = {u: v for u, v in zip(urls, found, strict=True) if v is not None}
+        for b in self.pool.backends:
+            if b.url in read:
+                b.weight_version = read[b.url]
+        return Change(states={u: {"weight_version": v} for u, v in read.items()})
+
     async def stop(self) -> None:
+        if self._follow_task is not None:
+            self._follow_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._follow_task
+            self._follow_task = None
         await self._stop_discovery()
         if self._health is not None:
             await self._health.stop()

@@ -62,6 +62,15 @@ class WorkerRegistry:
         self._changed()
         return normal, True
 
+    def replace(self, workers: Mapping[str, Mapping[str, Any]]) -> None:
+        """Take the membership another worker process of this gateway changed."""
+        if list(workers) == list(self._workers) and all(
+            self._workers[u] == dict(e) for u, e in workers.items()
+        ):
+            return
+        self._workers = {url: dict(extras) for url, extras in workers.items()}
+        self._changed()
+
     def remove(self, url: str) -> bool:
         if url not in self._workers:
             return False

@@ -152,7 +152,7 @@ class _BackendCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         families = self._families()
-        members, healthy, state, ejected, inflight = families
+        members, healthy, state, ejected, inflight, weights = families
         counts = dict.fromkeys((h.value for h in Health), 0)
         pool = self._pool
         for b in pool.backends:
@@ -164,12 +164,15 @@ class _BackendCollector(Collector):
             state.add_metric([b.url, "asleep"], 1.0 if b.asleep else 0.0)
             ejected.add_metric([b.url], 1.0 if pool.ejected(b) else 0.0)
             inflight.add_metric([b.url], float(b.inflight))
+            if b.weight_version is not None:
+                weights.add_metric([b.url, b.weight_version], 1.0)
         for name, n in counts.items():
             members.add_metric([name], float(n))
         return families
 
     @staticmethod
     def _families() -> tuple[
+        GaugeMetricFamily,
         GaugeMetricFamily,
         GaugeMetricFamily,
         GaugeMetricFamily,
@@ -205,6 +208,13 @@ class _BackendCollector(Collector):
                 p + "backend_inflight_requests",
                 "Requests in flight per backend.",
                 labels=["backend"],
+            ),
+            GaugeMetricFamily(
+                p + "backend_weight_version",
+                "1, labelled with the weight version the backend serves (read from its "
+                "/model_info, or set by a weight update through the gateway); absent while "
+                "unknown.",
+                labels=["backend", "version"],
             ),
         )
 

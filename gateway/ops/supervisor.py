@@ -3,7 +3,9 @@
 Each worker is a full gateway with its own event loop, upstream pool and health probes,
 bound to the same port with SO_REUSEPORT so the kernel spreads connections across them.
 Probing independently keeps health consistent enough: every worker sees the same backends
-with the same thresholds, a few probe intervals apart at worst.
+with the same thresholds, a few probe intervals apart at worst. What operators change
+(registry members, paused/asleep engines, weight versions) is shared exactly, through a
+document the supervisor owns (gateway/fleet/shared.py).
 
 The supervisor owns the config: it validates the file, and workers run a snapshot of the
 last config it accepted (see Supervisor). It owns the admin listener: `/metrics` scrapes
@@ -40,6 +42,7 @@ from prometheus_client.registry import Collector
 from gateway import config as config_mod
 from gateway import runtime
 from gateway.config import GatewayConfig
+from gateway.fleet.shared import STATE_ENV, WORKERS_ENV, new_document, write_document
 from gateway.ops.admin import make_admin_app
 from gateway.ops.lifecycle import LIFELINE_ENV, read_reload, watch_mtime
 
@@ -124,6 +127,11 @@ class Supervisor:
         self._dir = Path(tempfile.mkdtemp(prefix="sglang-gateway-"))  # 0700
         self.snapshot = self._dir / "config.json"
         self._write_snapshot(cfg)
+        # The fleet state the workers share (gateway/fleet/shared.py): registry members and
+        # engine states live here, so a restarted worker finds them.
+        self.fleet_state = self._dir / "fleet.json"
+        seed = list(cfg.backends.static) if cfg.backends.discovery == "registry" else None
+        write_document(self.fleet_state, new_document(seed))
         self.reloads = 0
         self.reload_failures = 0
         self._reload_lock = asyncio.Lock()
@@ -160,7 +168,13 @@ class Supervisor:
             await asyncio.to_thread(self._write_snapshot, self.cfg)
         read_fd, write_fd = os.pipe()
         life_read, life_write = os.pipe()
-        env = {**os.environ, REPORT_FD_ENV: str(write_fd), LIFELINE_ENV: str(life_read)}
+        env = {
+            **os.environ,
+            REPORT_FD_ENV: str(write_fd),
+            LIFELINE_ENV: str(life_read),
+            STATE_ENV: str(self.fleet_state),
+            WORKERS_ENV: str(len(self.workers)),
+        }
         w.started.clear()
         w.ready_this_start = False
         try:

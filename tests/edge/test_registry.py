@@ -143,8 +143,3 @@ async def test_registry_calls_are_for_operators_only(
         async with s.post(gw_url(gw, "/workers"), json={"url": stub.url}, headers=op) as r:
             assert r.status == 200
     assert [b.url for b in gw.pool.backends] == [stub.url]
-
-
-def test_registry_with_several_workers_is_refused_for_now() -> None:
-    with pytest.raises(config_mod.ConfigError, match="registry discovery runs with listen"):
-        config_mod.build({"backends": {"discovery": "registry"}, "listen": {"workers": 2}})

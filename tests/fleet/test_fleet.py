@@ -122,13 +122,13 @@ async def test_repeated_5xx_eject_a_backend_but_400s_do_not(
 async def test_hung_backend_gets_504_and_loses_health(
     make_gateway: GatewayFactory, session: aiohttp.ClientSession
 ) -> None:
-    hung = StubBackend(delay_s=30)
+    hung = StubBackend(delay_s=30, health_delay_s=30)
     await hung.start()
     try:
         gw = await make_gateway(
             hung.url,
             timeouts={"ttfb_s": 0.3},
-            backends={"health": {"interval_s": 0.1, "timeout_s": 0.2, "path": "/generate"}},
+            backends={"health": {"interval_s": 0.1, "timeout_s": 0.2}},
         )
         loop = asyncio.get_running_loop()
         started = loop.time()

@@ -362,6 +362,27 @@ MUTATIONS = [
         "probation=False,",
         ["tests/edge/test_registry.py::test_a_new_worker_waits_for_its_first_probe"],
     ),
+    (
+        "workers do not share the fleet (each keeps its own registry and states)",
+        "gateway/fleet/shared.py",
+        "path = os.environ.get(STATE_ENV)",
+        "path = None",
+        ["tests/ops/test_workers_share.py"],
+    ),
+    (
+        "a fleet change is answered before the other workers adopted it",
+        "gateway/fleet/shared.py",
+        "while behind := await asyncio.to_thread(self._acked, generation):",
+        "while False and (behind := await asyncio.to_thread(self._acked, generation)):",
+        ["tests/ops/test_workers_share.py"],
+    ),
+    (
+        "concurrent fleet changes merged without the lock",
+        "gateway/fleet/shared.py",
+        "            fcntl.flock(lock, fcntl.LOCK_EX)\n",
+        "            pass\n",
+        ["tests/fleet/test_shared.py::test_concurrent_changes_from_two_workers_all_land"],
+    ),
 ]
 
 

@@ -119,6 +119,7 @@ class StubBackend:
         fail_status: int | None = None,
         drop: str | None = None,
         health_status: int = 200,
+        health_delay_s: float = 0.0,
         idle_close_s: float | None = None,
         keep: int | None = None,
         keep_body_bytes: int | None = None,
@@ -130,6 +131,8 @@ class StubBackend:
         self.fail_status = fail_status
         self.drop = drop
         self.health_status = health_status
+        # SGLang's /health runs a one-token generation: a hung engine's probe hangs too.
+        self.health_delay_s = health_delay_s
         self.idle_close_s = idle_close_s
         # The requests seen, newest last. A long-lived stub (compose, the CLI) keeps only the
         # last `keep`, each body cut to `keep_body_bytes`; tests keep everything.
@@ -618,6 +621,8 @@ class StubBackend:
     # --- operational routes --------------------------------------------------------------
 
     async def _health(self, request: web.Request) -> web.StreamResponse:
+        if self.health_delay_s > 0:
+            await asyncio.sleep(self.health_delay_s)
         return web.Response(status=self.health_status)
 
     async def _model_info(self, request: web.Request) -> web.StreamResponse:
