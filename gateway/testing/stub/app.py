@@ -151,6 +151,10 @@ class StubBackend:
         self.asleep = False
         self.pause_mode: str | None = None  # abort, retract or in_place while paused
         self.aborted = 0  # generations ended by abort_request or pause_generation
+        self.arrived_paused = 0  # generations that arrived while the engine was paused
+        # Scripts the engine operations (pause, weight updates, ...): this status and
+        # {"success": false} instead of doing them, as an engine whose weight load failed.
+        self.engine_op_status: int | None = None
         self._abort_message = "Abort request"
         self._runs: set[Run] = set()
         self._unpaused = asyncio.Event()
@@ -262,6 +266,7 @@ class StubBackend:
             ctx = Ctx(index=self.requests_seen, sha256=digest, started=time.monotonic())
             request[CTX] = ctx
             if generation:
+                self.arrived_paused += not self._unpaused.is_set()
                 ctx.run = run = _run_of(body)
                 self._runs.add(run)
             response = await self._dispatch(request, handler, ctx)
@@ -681,6 +686,9 @@ class StubBackend:
         body = await request.read()
         parsed = parse(body) if body else {}
         sent = parsed if isinstance(parsed, dict) else {}
+        if self.engine_op_status is not None:
+            failed = {"success": False, "message": f"{path[1:]} failed on port {self._port}"}
+            return json_response(failed, self.engine_op_status)
         if path == "/pause_generation":
             mode = sent.get("mode", "abort")
             if mode not in ("abort", "retract", "in_place"):
