@@ -306,6 +306,29 @@ async def test_every_reply_names_the_weights_that_served_it(
             assert (await r.json())["meta_info"]["weight_version"] == "w2"  # body untouched
 
 
+async def test_after_an_update_the_engine_says_which_weights_it_serves(
+    stubs: list[StubBackend], make_gateway: GatewayFactory
+) -> None:
+    gw = await make_gateway(*(s.url for s in stubs[:2]))
+    await wait_for(lambda: all(b.weight_version == "default" for b in gw.pool.backends))
+    # Updated directly on the engine, behind the gateway's back; then an update through
+    # the gateway that names no version: the engine keeps its own, and the gateway asks it.
+    stubs[0].weight_version = "direct-3"
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(gw_url(gw, "/update_weights_from_disk"), data=b'{"model_path": "/m"}') as r,
+    ):
+        assert r.status == 200
+    assert [b.weight_version for b in gw.pool.backends] == ["direct-3", "default"]
+    paths = [r.path for r in stubs[0].received if r.path != "/health"]
+    assert paths[-2:] == ["/update_weights_from_disk", "/model_info"]
+    text = await _metrics(gw)
+    assert (
+        f'sglang_gateway_backend_weight_version{{backend="{stubs[0].url}",version="direct-3"}} 1.0'
+        in text
+    )
+
+
 async def test_requests_go_to_the_weights_they_ask_for(
     stubs: list[StubBackend], make_gateway: GatewayFactory
 ) -> None:
