@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, assert_never
 
 from gateway.contract.lax import TOP_K_ALL, Invalid, is_greedy, lax_bool, lax_int, plain_int
+from gateway.contract.profiles import FINITE_TOP_K_MESSAGE, LEGACY, MaskItem, MaskProfile
 from gateway.contract.routes import Kind
 
 # SGLang 0.5.19 (PR #35205), the exact text clients and SGLang's own tests look for.
-MASK_MESSAGE: Final = (
-    "return_sampling_mask requires finite top_k; top_p-only sampling is valid but can "
-    "return huge masks in the tail, blowing up metadata, so we need a safety cap."
-)
+MASK_MESSAGE: Final = FINITE_TOP_K_MESSAGE
 META_INFO_MESSAGE: Final = "return_sampling_mask requires return_meta_info=true."
 STREAM_META_INFO_MESSAGE: Final = (
     "return_meta_info is not supported with streaming. "
@@ -51,6 +49,30 @@ class Rejection:
     validation: bool = False
     # For the log only (under the request id), never sent: e.g. the JSON parser's own words.
     detail: str = ""
+    # The backend profile whose admission refused (gateway/contract/profiles.py), for
+    # mask refusals; "" for rules that hold for every backend.
+    profile: str = field(default="", compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class MaskDemand:
+    """A body that asks for sampling masks: whether it is served depends on the backend.
+
+    `items` are the mask items in the order SGLang checks them; `then` is what the body
+    runs into after them (a refusal every release makes, such as a bad top_k in a later
+    item), or None. Each backend's profile judges the items alone.
+    """
+
+    items: tuple[MaskItem, ...]
+    then: Rejection | None = None
+
+    def verdict(self, profile: MaskProfile) -> Rejection | None:
+        for item in self.items:
+            refused = profile.refusal(item)
+            if refused is not None:
+                reason, message = refused
+                return Rejection(400, SAMPLING_MASK, reason, message, profile=profile.name)
+        return self.then
 
 
 def _invalid(exc: Invalid) -> Rejection:
@@ -69,17 +91,12 @@ def _top_k_range(k: int) -> Rejection | None:
     return None
 
 
-def _is_unbounded(k: int | None) -> bool:
-    # Omitted/null/-1 normalise to TOP_K_ALL in SGLang; the gateway also treats anything at
-    # or above the sentinel as unbounded, since SGLang would let 2**30 + 1 through as finite.
-    return k is None or k == -1 or k >= TOP_K_ALL
-
-
 # The top-level fields each kind's check reads (None: all of them). The body reader
 # converts only these, so they must name every field the checks below look at:
 # tests/contract/test_jsonview.py runs the truth tables through a recording body to hold them to it.
 _OPENAI_READS: Final = frozenset(
-    {"return_sampling_mask", "return_meta_info", "stream", "n", "temperature", "top_k", "rid"}
+    {"return_sampling_mask", "return_meta_info", "stream", "n", "temperature", "top_k"}
+    | {"top_p", "rid"}
 )
 READS: Final[Mapping[Kind, frozenset[str] | None]] = {
     Kind.GENERATE: frozenset(
@@ -157,6 +174,9 @@ class AdmissionRules:
 
     mask: SamplingMaskRule = SamplingMaskRule()
     samples: ParallelSampleCap = ParallelSampleCap()
+    # The admission `check` applies; with capability routing the proxy takes `assess` and
+    # applies each backend's own profile instead.
+    profile: MaskProfile = LEGACY
 
     def mode_of(self, rejection: Rejection) -> Mode:
         """Whether the rule that refused is enforced or only tried out (the mask rule can
@@ -164,30 +184,47 @@ class AdmissionRules:
         return self.mask.mode if rejection.rule == SAMPLING_MASK else Mode.ENFORCE
 
     def check(self, kind: Kind, body: Mapping[str, Any]) -> Rejection | None:
-        """Apply the contract to a parsed body of a route of the given kind."""
+        """Apply the contract, with this rule set's profile, to a parsed body of a route of
+        the given kind."""
+        verdict = self.assess(kind, body)
+        if isinstance(verdict, MaskDemand):
+            return verdict.verdict(self.profile)
+        return verdict
+
+    def assess(self, kind: Kind, body: Mapping[str, Any]) -> Rejection | MaskDemand | None:
+        """Read a parsed body once: None (any backend serves it), a Rejection every backend
+        would make, or the MaskDemand each backend's profile decides."""
+        items: list[MaskItem] = []
+        then: Rejection | None
         try:
             # Every kind is named: a new one fails the type check here instead of falling
             # through to "forward unchecked".
             match kind:
                 case Kind.GENERATE:
-                    return self._check_generate(body, batch_size=_batch_size(body))
+                    then = self._check_generate(body, items, batch_size=_batch_size(body))
                 case Kind.VERTEX:
-                    return self._check_vertex(body)
+                    then = self._check_vertex(body, items)
                 case Kind.CHAT:
-                    return self._check_openai(body, chat=True)
+                    then = self._check_openai(body, items, chat=True)
                 case Kind.COMPLETIONS | Kind.RESPONSES:
-                    return self._check_openai(body, chat=False)
+                    then = self._check_openai(body, items, chat=False)
                 case Kind.PASSTHROUGH | Kind.CONTROL | Kind.REGISTRY:
                     return None  # never inspected: forwarded, or fanned out, as it is
                 case _:
                     assert_never(kind)
         except Invalid as exc:
-            return _invalid(exc)
+            then = _invalid(exc)
+        return MaskDemand(tuple(items), then) if items else then
 
     # -- /generate -------------------------------------------------------------------
 
     def _check_generate(
-        self, body: Mapping[str, Any], batch_size: int | None, *, raw: bool = False
+        self,
+        body: Mapping[str, Any],
+        items: list[MaskItem],
+        batch_size: int | None,
+        *,
+        raw: bool = False,
     ) -> Rejection | None:
         """batch_size None: a single request; else the number of batch items.
 
@@ -217,7 +254,7 @@ class AdmissionRules:
             broadcast = True
 
         if broadcast and not isinstance(params, list):
-            return self._check_item(params or {}, mask_on=flags[0], generate=True)
+            return self._check_item(params or {}, items, mask_on=flags[0], generate=True)
         # Every (item, params) pairing SGLang could make is checked. Where list lengths
         # disagree SGLang fails or broadcasts, so a missing flag counts as "any flag on" and
         # missing params as {} (unbounded): over-refusing a malformed batch is the safe side.
@@ -228,12 +265,12 @@ class AdmissionRules:
             p = param_list[i] if i < len(param_list) else None
             if not isinstance(params, list):
                 p = params
-            rejection = self._check_item(p or {}, mask_on=flag, generate=True)
+            rejection = self._check_item(p or {}, items, mask_on=flag, generate=True)
             if rejection is not None:
                 return rejection
         return None
 
-    def _check_vertex(self, body: Mapping[str, Any]) -> Rejection | None:
+    def _check_vertex(self, body: Mapping[str, Any], items: list[MaskItem]) -> Rejection | None:
         # SGLang calls GenerateReqInput(**inputs, **parameters) itself, where inputs is the
         # first of text/input_ids/input_embeds that instances[0] has, as a list over the
         # instances. No pydantic runs on that call: values keep their JSON types.
@@ -255,16 +292,18 @@ class AdmissionRules:
         size = _batch_size(fields, raw=True)
         if size is None and not any(k in fields for k in ("text", "input_ids", "input_embeds")):
             size = max(len(instances), 1)  # no input at all: SGLang fails; check every pairing
-        return self._check_generate(fields, batch_size=size, raw=True)
+        return self._check_generate(fields, items, batch_size=size, raw=True)
 
     # -- OpenAI-compatible routes ------------------------------------------------------
 
-    def _check_openai(self, body: Mapping[str, Any], *, chat: bool) -> Rejection | None:
+    def _check_openai(
+        self, body: Mapping[str, Any], items: list[MaskItem], *, chat: bool
+    ) -> Rejection | None:
         # top_k, temperature and the mask flag are top-level fields here (extra_body is
         # merged by the SDK); a literal "sampling_params" or "extra_body" key is ignored
         # by SGLang and so by the gateway.
         mask_on = bool(lax_bool(body.get("return_sampling_mask"), "return_sampling_mask"))
-        rejection = self._check_item(body, mask_on=mask_on, generate=False)
+        rejection = self._check_item(body, items, mask_on=mask_on, generate=False)
         if rejection is not None or not mask_on or not chat:
             return rejection
         if not lax_bool(body.get("return_meta_info"), "return_meta_info"):
@@ -276,14 +315,17 @@ class AdmissionRules:
     # -- one item ----------------------------------------------------------------------
 
     def _check_item(
-        self, params: Mapping[str, Any], *, mask_on: bool, generate: bool
+        self, params: Mapping[str, Any], items: list[MaskItem], *, mask_on: bool, generate: bool
     ) -> Rejection | None:
+        """Check one item; a mask item joins `items`, judged later by each profile."""
         capped = self.samples.check(params, generate=generate)
         if capped is not None:
             return capped
         if is_greedy(params.get("temperature")) and not (generate and params.get("is_normalized")):
             # SGLang forces top_k = 1 for greedy items whatever top_k says, unless the
             # sampling_params carry a truthy `is_normalized`, which skips that step.
+            if mask_on:
+                items.append(MaskItem(1, _below_one(params.get("top_p"))))
             return None
         if "top_k" in params:
             raw = params["top_k"]
@@ -296,9 +338,16 @@ class AdmissionRules:
             bad = _top_k_range(k)
             if bad is not None:
                 return bad
-        if mask_on and _is_unbounded(k):
-            return Rejection(400, SAMPLING_MASK, "unbounded_top_k", MASK_MESSAGE)
+        if mask_on:
+            normal = TOP_K_ALL if k is None or k == -1 else k
+            items.append(MaskItem(normal, _below_one(params.get("top_p"))))
         return None
+
+
+def _below_one(top_p: object) -> bool:
+    # Only a real number counts: a string top_p (lax on OpenAI routes) is taken as 1, which
+    # can only make the gateway stricter, for the one release (0.5.18) that reads it.
+    return isinstance(top_p, int | float) and not isinstance(top_p, bool) and top_p < 1
 
 
 def _sample_count(value: object, *, generate: bool) -> float | None:

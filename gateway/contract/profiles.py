@@ -1,0 +1,203 @@
+"""Each SGLang release's own sampling-mask admission (docs/sglang-contract.md section 3).
+
+The rule changed by release: 0.5.18 allowed a top-p-only mask, 0.5.16-0.5.17 and 0.5.19
+require a finite `top_k`, 0.5.20 and later also cap it (`--sampling-mask-max-tokens`), and
+every release refuses the mask under speculative decoding and on the ascend sampling
+backend. A fleet mixes releases and settings, so the gateway keeps one profile per backend
+(learnt from its `/server_info`) and applies exactly that backend's rule.
+
+Parsing, lax readings, greedy forcing and batch pairing are shared (gateway/contract/
+policy.py): a body becomes a MaskDemand, the mask items in the order SGLang checks them,
+and each profile judges those items alone. Pure functions, no I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from gateway.contract.lax import TOP_K_ALL
+
+# The exact texts of each release (clients and SGLang's own tests look for them).
+FINITE_TOP_K_MESSAGE: Final = (
+    "return_sampling_mask requires finite top_k; top_p-only sampling is valid but can "
+    "return huge masks in the tail, blowing up metadata, so we need a safety cap."
+)
+TOP_P_MESSAGE: Final = (
+    "return_sampling_mask cannot return the full vocabulary; set top_p < 1 or a finite top_k."
+)
+CAP_MESSAGE: Final = (
+    "return_sampling_mask requires top_k=1 for greedy sampling or finite 1 < top_k <= {cap}; "
+    "got top_k={top_k}. Lower top_k or increase --sampling-mask-max-tokens."
+)
+SPECULATIVE_MESSAGE: Final = "return_sampling_mask is not supported with speculative decoding."
+ASCEND_MESSAGE: Final = "return_sampling_mask is not supported with the ascend sampling backend."
+
+DEFAULT_CAP: Final = 4096  # --sampling-mask-max-tokens' default (0.5.20 and later)
+
+
+class Family(enum.Enum):
+    FINITE_TOP_K = "finite_top_k"  # 0.5.16-0.5.17, 0.5.19
+    TOP_P_OR_TOP_K = "top_p_or_top_k"  # 0.5.18
+    CAPPED = "capped"  # 0.5.20-0.5.23
+    STRICT = "strict"  # release unknown: every rule of every known release at once
+
+
+@dataclass(frozen=True, slots=True)
+class MaskItem:
+    """One item that asks for a mask, as SGLang sees it after normalisation."""
+
+    top_k: int  # TOP_K_ALL (or above) when unbounded; 1 for a greedy item
+    top_p_below_one: bool  # a real number below 1 (anything else counts as 1: stricter)
+
+    @property
+    def unbounded(self) -> bool:
+        # Omitted, null and -1 normalise to TOP_K_ALL in SGLang; anything above it counts as
+        # unbounded too, though SGLang would take 2**30 + 1 as finite.
+        return self.top_k >= TOP_K_ALL
+
+
+@dataclass(frozen=True, slots=True)
+class MaskProfile:
+    """One backend's admission of mask items."""
+
+    family: Family
+    cap: int | None = None  # CAPPED and STRICT: the largest top_k admitted
+    speculative: bool = False
+    ascend: bool = False
+
+    @property
+    def name(self) -> str:
+        """A short fixed label (metrics, logs, /workers): family, cap, and settings."""
+        name = self.family.value
+        if self.cap is not None:
+            name += f":{self.cap}"
+        if self.speculative:
+            name += "+speculative"
+        if self.ascend:
+            name += "+ascend"
+        return name
+
+    def refusal(self, item: MaskItem) -> tuple[str, str] | None:
+        """(reason, message) this backend refuses `item` with, or None when it serves it.
+        The top_k rule comes first, then the settings, as SGLang checks them."""
+        k = item.top_k
+        cap = self.cap if self.cap is not None else DEFAULT_CAP
+        match self.family:
+            case Family.FINITE_TOP_K:
+                if item.unbounded:
+                    return "unbounded_top_k", FINITE_TOP_K_MESSAGE
+            case Family.TOP_P_OR_TOP_K:
+                if item.unbounded and not item.top_p_below_one:
+                    return "unbounded_top_k_and_top_p", TOP_P_MESSAGE
+            case Family.CAPPED:
+                if not (k == 1 or 1 < k <= cap):
+                    reason = "unbounded_top_k" if item.unbounded else "top_k_above_cap"
+                    return reason, CAP_MESSAGE.format(cap=cap, top_k=k)
+            case Family.STRICT:
+                if item.unbounded:
+                    return "unbounded_top_k", FINITE_TOP_K_MESSAGE
+                if k > cap:
+                    return "top_k_above_cap", FINITE_TOP_K_MESSAGE
+        if self.speculative:
+            return "speculative_decoding", SPECULATIVE_MESSAGE
+        if self.ascend:
+            return "ascend_backend", ASCEND_MESSAGE
+        return None
+
+    def closeness(self) -> tuple[int, int]:
+        """Orders refusing profiles by how near a client is to being served by one: a limit
+        on top_k the client can meet beats a setting it cannot change, a larger cap beats a
+        smaller one."""
+        setting = self.speculative or self.ascend
+        cap = TOP_K_ALL if self.family in (Family.FINITE_TOP_K, Family.TOP_P_OR_TOP_K) else 0
+        return (0 if setting else 1, self.cap if self.cap is not None else cap)
+
+
+# 0.5.19's rule: what the gateway applied to every backend before profiles, and still the
+# rule of a backend whose release is pinned to 0.5.19 or not known to differ.
+LEGACY: Final = MaskProfile(Family.FINITE_TOP_K)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerInfo:
+    """What a backend's /server_info says about its admission."""
+
+    version: str | None = None
+    sampling_mask_max_tokens: int | None = None
+    speculative_algorithm: str | None = None
+    sampling_backend: str | None = None
+    disaggregation_mode: str | None = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ServerInfo:
+        def text(key: str) -> str | None:
+            value = data.get(key)
+            return value if isinstance(value, str) else None
+
+        cap = data.get("sampling_mask_max_tokens")
+        speculative = text("speculative_algorithm")
+        return cls(
+            version=text("version"),
+            sampling_mask_max_tokens=cap if isinstance(cap, int) and cap > 0 else None,
+            # SGLang reports "NONE" or null when it is off, depending on the release.
+            speculative_algorithm=None if speculative in (None, "", "NONE") else speculative,
+            sampling_backend=text("sampling_backend"),
+            disaggregation_mode=text("disaggregation_mode"),
+        )
+
+
+_RELEASE: Final = re.compile(r"v?(\d+)\.(\d+)\.(\d+)")
+NEWEST_KNOWN: Final = (0, 5, 23)  # releases read for docs/sglang-contract.md
+
+
+def release(version: str | None) -> tuple[int, int, int] | None:
+    """`0.5.19`, `0.5.20.post1`, `0.5.21rc0` -> (0, 5, 19), ...; None when unreadable."""
+    m = _RELEASE.match(version or "")
+    return (int(m[1]), int(m[2]), int(m[3])) if m else None
+
+
+def family_of(version: str | None) -> Family:
+    """The admission family of a release; STRICT for one whose rule the gateway does not
+    know (before the mask existed, after the newest release read, or unreadable)."""
+    r = release(version)
+    if r is None or r < (0, 5, 16) or r > NEWEST_KNOWN:
+        return Family.STRICT
+    if r == (0, 5, 18):
+        return Family.TOP_P_OR_TOP_K
+    if r >= (0, 5, 20):
+        return Family.CAPPED
+    return Family.FINITE_TOP_K
+
+
+def profile_of(info: ServerInfo | None, *, strict_cap: int = DEFAULT_CAP) -> MaskProfile:
+    """A backend's profile from what it says about itself; the strictest when it said
+    nothing. `strict_cap`: the smallest cap in the fleet, which an unknown backend gets."""
+    if info is None:
+        return MaskProfile(Family.STRICT, strict_cap)
+    family = family_of(info.version)
+    cap: int | None = None
+    if family is Family.CAPPED:
+        cap = info.sampling_mask_max_tokens or DEFAULT_CAP
+    elif family is Family.STRICT:
+        cap = min(strict_cap, info.sampling_mask_max_tokens or strict_cap)
+    return MaskProfile(
+        family,
+        cap,
+        speculative=info.speculative_algorithm is not None,
+        ascend=info.sampling_backend == "ascend",
+    )
+
+
+def pinned(version: str, cap: int = DEFAULT_CAP) -> MaskProfile:
+    """The profile `policy.sampling_mask.profile: "<release>"` pins every backend to."""
+    family = family_of(version)
+    if family is Family.STRICT:
+        raise ValueError(
+            f"unknown SGLang release {version!r}: pin one from 0.5.16 to "
+            f"{'.'.join(map(str, NEWEST_KNOWN))}, or use auto"
+        )
+    return MaskProfile(family, cap if family is Family.CAPPED else None)
