@@ -1,0 +1,201 @@
+"""Each release's mask admission, as a truth table (docs/sglang-contract.md section 3)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.contract.lax import TOP_K_ALL
+from gateway.contract.policy import AdmissionRules, MaskDemand
+from gateway.contract.profiles import (
+    ASCEND_MESSAGE,
+    CAP_MESSAGE,
+    FINITE_TOP_K_MESSAGE,
+    SPECULATIVE_MESSAGE,
+    TOP_P_MESSAGE,
+    Family,
+    MaskItem,
+    MaskProfile,
+    ServerInfo,
+    family_of,
+    pinned,
+    profile_of,
+)
+from gateway.contract.routes import Kind
+
+V19 = MaskProfile(Family.FINITE_TOP_K)
+V18 = MaskProfile(Family.TOP_P_OR_TOP_K)
+V23 = MaskProfile(Family.CAPPED, 4096)
+V23_64 = MaskProfile(Family.CAPPED, 64)
+STRICT = MaskProfile(Family.STRICT, 64)
+SPEC = MaskProfile(Family.CAPPED, 4096, speculative=True)
+ASCEND = MaskProfile(Family.FINITE_TOP_K, ascend=True)
+
+ALL = TOP_K_ALL
+# (top_k, top_p below one) -> the message of each profile (None: served)
+TABLE = [
+    ((1, False), [None, None, None, None, None, SPECULATIVE_MESSAGE, ASCEND_MESSAGE]),
+    ((2, False), [None, None, None, None, None, SPECULATIVE_MESSAGE, ASCEND_MESSAGE]),
+    ((64, False), [None, None, None, None, None, SPECULATIVE_MESSAGE, ASCEND_MESSAGE]),
+    (
+        (65, False),
+        [
+            None,
+            None,
+            None,
+            CAP_MESSAGE.format(cap=64, top_k=65),
+            FINITE_TOP_K_MESSAGE,
+            SPECULATIVE_MESSAGE,
+            ASCEND_MESSAGE,
+        ],
+    ),
+    (
+        (4096, True),
+        [
+            None,
+            None,
+            None,
+            CAP_MESSAGE.format(cap=64, top_k=4096),
+            FINITE_TOP_K_MESSAGE,
+            SPECULATIVE_MESSAGE,
+            ASCEND_MESSAGE,
+        ],
+    ),
+    (
+        (4097, False),
+        [
+            None,
+            None,
+            CAP_MESSAGE.format(cap=4096, top_k=4097),
+            CAP_MESSAGE.format(cap=64, top_k=4097),
+            FINITE_TOP_K_MESSAGE,
+            CAP_MESSAGE.format(cap=4096, top_k=4097),
+            ASCEND_MESSAGE,
+        ],
+    ),
+    (
+        (ALL, True),  # top-p-only: 0.5.18 served it
+        [
+            FINITE_TOP_K_MESSAGE,
+            None,
+            CAP_MESSAGE.format(cap=4096, top_k=ALL),
+            CAP_MESSAGE.format(cap=64, top_k=ALL),
+            FINITE_TOP_K_MESSAGE,
+            CAP_MESSAGE.format(cap=4096, top_k=ALL),
+            FINITE_TOP_K_MESSAGE,
+        ],
+    ),
+    (
+        (ALL, False),
+        [
+            FINITE_TOP_K_MESSAGE,
+            TOP_P_MESSAGE,
+            CAP_MESSAGE.format(cap=4096, top_k=ALL),
+            CAP_MESSAGE.format(cap=64, top_k=ALL),
+            FINITE_TOP_K_MESSAGE,
+            CAP_MESSAGE.format(cap=4096, top_k=ALL),
+            FINITE_TOP_K_MESSAGE,
+        ],
+    ),
+]
+PROFILES = [V19, V18, V23, V23_64, STRICT, SPEC, ASCEND]
+
+
+@pytest.mark.parametrize(("item", "expected"), TABLE)
+def test_truth_table(item: tuple[int, bool], expected: list[str | None]) -> None:
+    got = [p.refusal(MaskItem(*item)) for p in PROFILES]
+    assert [g[1] if g else None for g in got] == expected
+
+
+def test_the_0_5_20_message_is_sglangs() -> None:
+    refused = V23.refusal(MaskItem(4097, False))
+    assert refused == (
+        "top_k_above_cap",
+        "return_sampling_mask requires top_k=1 for greedy sampling or finite 1 < top_k <= "
+        "4096; got top_k=4097. Lower top_k or increase --sampling-mask-max-tokens.",
+    )
+
+
+@pytest.mark.parametrize(
+    ("version", "family"),
+    [
+        ("0.5.15", Family.STRICT),
+        ("0.5.16", Family.FINITE_TOP_K),
+        ("0.5.17.post1", Family.FINITE_TOP_K),
+        ("0.5.18", Family.TOP_P_OR_TOP_K),
+        ("0.5.19", Family.FINITE_TOP_K),
+        ("0.5.20rc0", Family.CAPPED),
+        ("v0.5.23", Family.CAPPED),
+        ("0.5.24", Family.STRICT),
+        ("0.6.0", Family.STRICT),
+        ("", Family.STRICT),
+        (None, Family.STRICT),
+        ("main", Family.STRICT),
+    ],
+)
+def test_release_families(version: str | None, family: Family) -> None:
+    assert family_of(version) is family
+
+
+def test_profiles_from_server_info() -> None:
+    info = ServerInfo.from_json(
+        {"version": "0.5.23", "sampling_mask_max_tokens": 64, "speculative_algorithm": "EAGLE"}
+    )
+    assert profile_of(info) == MaskProfile(Family.CAPPED, 64, speculative=True)
+    assert profile_of(info).name == "capped:64+speculative"
+    off = ServerInfo.from_json({"version": "0.5.23", "speculative_algorithm": "NONE"})
+    assert profile_of(off) == MaskProfile(Family.CAPPED, 4096)
+    assert profile_of(ServerInfo.from_json({"version": "0.5.19"})).name == "finite_top_k"
+    ascend = ServerInfo.from_json({"version": "0.5.18", "sampling_backend": "ascend"})
+    assert profile_of(ascend) == MaskProfile(Family.TOP_P_OR_TOP_K, ascend=True)
+    # Unknown: every rule at once, at most the smallest cap seen.
+    assert profile_of(None, strict_cap=64) == MaskProfile(Family.STRICT, 64)
+    assert profile_of(ServerInfo.from_json({"version": "0.7.0"})) == MaskProfile(
+        Family.STRICT, 4096
+    )
+    assert ServerInfo.from_json({"sampling_mask_max_tokens": "64"}).sampling_mask_max_tokens is None
+
+
+def test_pinned_profiles() -> None:
+    assert pinned("0.5.19") == V19
+    assert pinned("0.5.18") == V18
+    assert pinned("0.5.21", 128) == MaskProfile(Family.CAPPED, 128)
+    with pytest.raises(ValueError, match="unknown SGLang release"):
+        pinned("0.9.0")
+
+
+def test_shared_reading_then_per_profile_admission() -> None:
+    rules = AdmissionRules()
+    # A batch: item 0 asks a mask with top_k 100, item 1 a top-p-only mask.
+    body = {
+        "text": ["a", "b"],
+        "return_sampling_mask": True,
+        "sampling_params": [{"top_k": 100}, {"top_p": 0.9}],
+    }
+    demand = rules.assess(Kind.GENERATE, body)
+    assert isinstance(demand, MaskDemand)
+    assert demand.items == (MaskItem(100, False), MaskItem(ALL, True))
+    assert demand.verdict(V18) is None
+    refused = demand.verdict(V23_64)
+    assert refused is not None and refused.message == CAP_MESSAGE.format(cap=64, top_k=100)
+    assert refused.profile == "capped:64"
+    # Greedy is top_k 1 in every release, but speculative decoding still refuses it.
+    greedy = rules.assess(
+        Kind.CHAT,
+        {"return_sampling_mask": True, "return_meta_info": True, "temperature": 0},
+    )
+    assert isinstance(greedy, MaskDemand) and greedy.items == (MaskItem(1, False),)
+    assert greedy.verdict(V23_64) is None
+    spec = greedy.verdict(SPEC)
+    assert spec is not None and spec.message == SPECULATIVE_MESSAGE
+    # A refusal every release makes comes after the items it follows.
+    late = rules.assess(
+        Kind.GENERATE,
+        {
+            "text": ["a", "b"],
+            "return_sampling_mask": True,
+            "sampling_params": [{"top_k": 5}, {"top_k": -7}],
+        },
+    )
+    assert isinstance(late, MaskDemand) and late.then is not None
+    assert late.verdict(V19) == late.then and late.then.reason == "invalid_top_k"
+    assert rules.assess(Kind.GENERATE, {"text": "a"}) is None
