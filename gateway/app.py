@@ -160,7 +160,9 @@ class Gateway:
         self._runner: web.ServerRunner | None = None
         self._admin_runner: web.AppRunner | None = None
         self._watch_task: asyncio.Task[None] | None = None
-        self.fleet = Fleet(cfg.backends, resolver=resolver)
+        self.fleet = Fleet(
+            cfg.backends, resolver=resolver, pinned=cfg.policy.sampling_mask.pinned_profile
+        )
         self.proxy: Proxy | None = None
         self.metrics: Metrics | None = None
         self._reload_lock = asyncio.Lock()
@@ -300,7 +302,7 @@ class Gateway:
             self.proxy.budget.limit = settings.max_inspecting
             if self._http_server is not None:
                 self._http_server.max_connections = _max_connections(cfg)
-            await self.fleet.reconfigure(cfg.backends)
+            await self.fleet.reconfigure(cfg.backends, cfg.policy.sampling_mask.pinned_profile)
             self.cfg = cfg
             self.reloads += 1
             log.info("config reloaded")

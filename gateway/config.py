@@ -26,6 +26,7 @@ from pydantic import (
 )
 
 from gateway.contract.lax import TOP_K_ALL
+from gateway.contract.profiles import MaskProfile, pinned
 from gateway.contract.routes import GENERATION_ROUTES, canonical_path
 
 
@@ -233,6 +234,22 @@ class SamplingMaskConfig(_Model):
     # A top_k the operator knows the backend fills in when a request omits it. None: an
     # omitted top_k counts as unbounded (fail closed).
     default_top_k: Annotated[int, Field(ge=1, lt=TOP_K_ALL)] | None = None
+    # Whose admission applies: auto (each backend's own, from its /server_info; the
+    # strictest until it answers), or a release every backend is taken to run ("0.5.19",
+    # "0.5.20", ...) for fleets whose /server_info the gateway cannot read.
+    profile: str = "auto"
+    # --sampling-mask-max-tokens of a pinned release from 0.5.20 on.
+    max_tokens: Annotated[int, Field(ge=1, lt=TOP_K_ALL)] = 4096
+
+    @model_validator(mode="after")
+    def _known_profile(self) -> SamplingMaskConfig:
+        if self.profile != "auto":
+            pinned(self.profile, self.max_tokens)  # raises for a release it does not know
+        return self
+
+    @property
+    def pinned_profile(self) -> MaskProfile | None:
+        return None if self.profile == "auto" else pinned(self.profile, self.max_tokens)
 
 
 class PolicyConfig(_Model):

@@ -18,7 +18,14 @@ from typing import Any, Final
 import orjson
 
 from gateway.contract.jsonview import Head, read_view
-from gateway.contract.policy import READS, SHAPE_ONLY, AdmissionRules, Rejection, request_ids
+from gateway.contract.policy import (
+    READS,
+    SHAPE_ONLY,
+    AdmissionRules,
+    MaskDemand,
+    Rejection,
+    request_ids,
+)
 from gateway.contract.routes import Kind
 from gateway.contract.skim import Skimmed
 
@@ -169,8 +176,9 @@ def inspect_body(
     *,
     skip_parse_without_key: bool = False,
     rids: list[str] | None = None,
-) -> Rejection | None:
-    """Parse an inspected route's body once and apply the policy to it.
+) -> Rejection | MaskDemand | None:
+    """Parse an inspected route's body once and apply the policy to it: a refusal, the mask
+    demand each backend's profile decides, or None (forward it anywhere).
 
     With `skip_parse_without_key`, a body that cannot hold the mask key is forwarded
     unparsed: no mask can be requested by it, and SGLang (same parser) refuses it itself if
@@ -185,4 +193,4 @@ def inspect_body(
         return parsed
     if rids is not None:
         rids += request_ids(parsed)
-    return policy.check(kind, parsed)
+    return policy.assess(kind, parsed)

@@ -75,6 +75,13 @@ class MaskDemand:
         return self.then
 
 
+def resolve(
+    verdict: Rejection | MaskDemand | None, profile: MaskProfile = LEGACY
+) -> Rejection | None:
+    """A verdict as one backend of `profile` would have it (0.5.19's rule by default)."""
+    return verdict.verdict(profile) if isinstance(verdict, MaskDemand) else verdict
+
+
 def _invalid(exc: Invalid) -> Rejection:
     return Rejection(400, "request_body", "invalid_field", str(exc), validation=True)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Final
 
 from gateway.contract.inspection import ORJSON_SENSITIVE, may_hold_mask_key, parse_object
-from gateway.contract.policy import SHAPE_ONLY, AdmissionRules, Rejection, request_ids
+from gateway.contract.policy import SHAPE_ONLY, AdmissionRules, MaskDemand, Rejection, request_ids
 from gateway.contract.routes import Kind
 from gateway.contract.skim import skim
 from gateway.edge.budget import InspectionBudget, TooCostly, parse_cost
@@ -28,7 +28,7 @@ async def inspect_large(
     wait_s: float,
     skip_parse_without_key: bool = False,
     rids: list[str] | None = None,
-) -> Rejection | None:
+) -> Rejection | MaskDemand | None:
     """inspect_body for any size: long integer arrays in shape-only fields are validated
     without being parsed (gateway/contract/skim.py), and the parse waits for its share of the
     inspection budget (gateway/edge/budget.py)."""
@@ -56,6 +56,6 @@ async def inspect_large(
             return parsed
         if rids is not None:
             rids += request_ids(parsed)
-        return policy.check(kind, parsed)
+        return policy.assess(kind, parsed)
     finally:
         budget.release(cost)

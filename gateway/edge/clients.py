@@ -17,6 +17,7 @@ import aiohttp
 import orjson
 
 from gateway.config import GatewayConfig, KubernetesConfig
+from gateway.contract.profiles import ServerInfo
 from gateway.fleet.discovery import EndpointSliceApi
 from gateway.fleet.health import ProbeResult
 from gateway.runtime import LOCAL_ERRNOS
@@ -68,20 +69,28 @@ class AiohttpClients:
                 return ProbeResult(False, f"probe not sent: {type(exc).__name__}", counted=False)
             return ProbeResult(False, f"probe failed: {type(exc).__name__}")
 
-    async def weight_version(self, url: str, timeout_s: float) -> str | None:
+    async def _json(self, url: str, timeout_s: float) -> tuple[int, object]:
+        """(status, its JSON object or None); status 0 when nothing usable came back."""
         try:
             async with self._session.get(
-                url + "/model_info",
-                timeout=aiohttp.ClientTimeout(total=timeout_s),
-                allow_redirects=False,
+                url, timeout=aiohttp.ClientTimeout(total=timeout_s), allow_redirects=False
             ) as resp:
                 if resp.status != 200:
-                    return None
-                info = orjson.loads(await resp.read())
+                    return resp.status, None
+                return 200, orjson.loads(await resp.read())
         except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError):
-            return None
+            return 0, None
+
+    async def weight_version(self, url: str, timeout_s: float) -> str | None:
+        _, info = await self._json(url + "/model_info", timeout_s)
         version = info.get("weight_version") if isinstance(info, dict) else None
         return version if isinstance(version, str) else None
+
+    async def server_info(self, url: str, timeout_s: float) -> ServerInfo | None:
+        status, info = await self._json(url + "/server_info", timeout_s)
+        if status == 404:  # releases before the rename
+            status, info = await self._json(url + "/get_server_info", timeout_s)
+        return ServerInfo.from_json(info) if isinstance(info, dict) else None
 
     def endpoint_slices(self, cfg: KubernetesConfig) -> EndpointSliceApi:
         return KubernetesApi(

@@ -25,6 +25,7 @@ from gateway.contract import replies
 from gateway.contract.inspection import check_headers, inspect_body
 from gateway.contract.policy import (
     AdmissionRules,
+    MaskDemand,
     Mode,
     Rejection,
 )
@@ -59,8 +60,9 @@ from gateway.edge.headers import (
     valid_request_id,
 )
 from gateway.edge.upstream import ConnectFailed, Upstream, UpstreamBroken, UpstreamResponse
+from gateway.fleet.capability import Admission
 from gateway.fleet.membership import Fleet
-from gateway.fleet.pool import Backend
+from gateway.fleet.pool import Backend, Fit
 from gateway.ops.observe import Exchange, Observer
 from gateway.ops.redact import describe
 
@@ -246,13 +248,14 @@ class Proxy:
             return body
 
         rids: list[str] = []  # SGLang's request ids in the body: who serves them, for aborts
+        admission: Admission | None = None  # a mask request: only where it is admitted
         if route.inspected:
             budget = self.budget
             cost = parse_cost(body)
             if len(body) < SKIM_MIN_BODY and budget.try_acquire(cost):
                 # Most bodies: inspected at once, with no await on the way.
                 try:
-                    rejection = inspect_body(
+                    verdict = inspect_body(
                         route.kind,
                         body,
                         settings.admission,
@@ -262,7 +265,7 @@ class Proxy:
                 finally:
                     budget.release(cost)
             else:
-                rejection = await inspect_large(
+                verdict = await inspect_large(
                     route.kind,
                     body,
                     settings.admission,
@@ -271,7 +274,14 @@ class Proxy:
                     skip_parse_without_key=settings.skip_parse,
                     rids=rids,
                 )
+            if isinstance(verdict, MaskDemand):
+                admission = Admission(verdict)
+                pool, now = self._pool, self._pool.now()
+                rejection = admission.edge_refusal(pool.backends, lambda b: pool.routable(b, now))
+            else:
+                rejection = verdict
             if rejection is not None:
+                admission = None  # refused, or forwarded anywhere in log_only mode
                 if settings.admission.mode_of(rejection) is Mode.LOG_ONLY:
                     # log_only: count and log what enforce would refuse, then forward.
                     log.warning(
@@ -295,6 +305,7 @@ class Proxy:
             body=body,
             exchange=exchange,
             rids=rids,
+            admission=admission,
         )
 
     def _authenticate(
@@ -573,6 +584,7 @@ class Proxy:
         body: bytes,
         exchange: Exchange,
         rids: Sequence[str] = (),
+        admission: Admission | None = None,
     ) -> web.StreamResponse:
         headers = settings.forwarding.upstream(
             request.headers.items(),
@@ -585,10 +597,11 @@ class Proxy:
         version = request.headers.get(WEIGHT_VERSION)
         if version is None and settings.latest_weights:
             version = self._pool.latest_version
+        fits = _fits(version, admission)
         tried: list[Backend] = []
         saturated = False
         while len(tried) < settings.attempts:
-            backend = await self._pool.acquire(tried, key, settings.queue_timeout, version=version)
+            backend = await self._pool.acquire(tried, key, settings.queue_timeout, fits=fits)
             if backend is None:
                 saturated = self._pool.saturated(tried)
                 break
@@ -730,3 +743,12 @@ class Proxy:
                 # Closing (not releasing) the connection is what tells SGLang the client
                 # is gone, so it aborts the generation instead of finishing it for nobody.
                 upstream.close()
+
+
+def _fits(version: str | None, admission: Admission | None) -> Fit | None:
+    """What the request needs of a backend: the weights it asks for, a mask it may have."""
+    if admission is None:
+        return None if version is None else (lambda b: b.weight_version == version)
+    if version is None:
+        return admission.fits
+    return lambda b: b.weight_version == version and admission.fits(b)

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.config import HealthConfig
-from gateway.fleet.pool import Backend, BackendPool
+from gateway.contract.profiles import ServerInfo
+from gateway.fleet.pool import Backend, BackendPool, Health
 
 log = logging.getLogger("gateway.fleet.health")
 
@@ -36,6 +37,15 @@ class Prober(Protocol):
         """The weights a backend serves (its /model_info), or None if it does not say."""
         ...
 
+    async def server_info(self, url: str, timeout_s: float) -> ServerInfo | None:
+        """What a backend says about its release and settings (its /server_info)."""
+        ...
+
+
+# A backend whose /server_info could not be read is asked again this often (it keeps the
+# strictest profile meanwhile).
+INFO_RETRY_S = 30.0
+
 
 class HealthChecker:
     def __init__(self, pool: BackendPool, prober: Prober, cfg: HealthConfig) -> None:
@@ -45,7 +55,8 @@ class HealthChecker:
         self._tasks: dict[Backend, asyncio.Task[None]] = {}
 
     def sync(self, backends: Sequence[Backend]) -> None:
-        """Start probers for new members and stop those of removed ones."""
+        """Start probers for new members and stop those of removed ones. With probes off
+        the gateway never calls a backend on its own, so it learns no profile (pin one)."""
         wanted = set(backends) if self.cfg.enabled else set()
         for backend in list(self._tasks):
             if backend not in wanted:
@@ -70,7 +81,16 @@ class HealthChecker:
         if not result.counted:
             log.warning("health probe of %s: %s", backend.url, result.why)
         elif result.ok:
+            restarted = backend.health is Health.UNHEALTHY  # it may run another release now
             self._pool.probe_ok(backend)
+            read_at = backend.info_read_at
+            if (
+                restarted
+                or read_at is None
+                or (backend.server_info is None and self._pool.now() - read_at >= INFO_RETRY_S)
+            ):
+                info = await self._prober.server_info(backend.url, self.cfg.timeout_s)
+                self._pool.learn(backend, info)
             if backend.weight_version is None:
                 # Learnt once, when it joins; later updates through the gateway set it.
                 backend.weight_version = await self._prober.weight_version(

@@ -12,6 +12,7 @@ import logging
 from typing import Protocol
 
 from gateway.config import BackendsConfig, KubernetesConfig
+from gateway.contract.profiles import MaskProfile
 from gateway.fleet.balancers import BALANCERS, Balancer
 from gateway.fleet.discovery import (
     Discovery,
@@ -39,7 +40,7 @@ def make_balancer(cfg: BackendsConfig) -> Balancer:
     return BALANCERS[cfg.balancer](cfg.seed)
 
 
-def pool_policy(cfg: BackendsConfig) -> PoolRules:
+def pool_policy(cfg: BackendsConfig, pinned: MaskProfile | None = None) -> PoolRules:
     p = cfg.passive
     return PoolRules(
         healthy_threshold=cfg.health.healthy_threshold,
@@ -53,15 +54,23 @@ def pool_policy(cfg: BackendsConfig) -> PoolRules:
         max_inflight=cfg.max_inflight_per_backend,
         probes=cfg.health.enabled,
         probation=cfg.discovery == "registry" and cfg.health.enabled,
+        pinned_profile=pinned,
     )
 
 
 class Fleet:
-    def __init__(self, cfg: BackendsConfig, *, resolver: Resolver | None = None) -> None:
+    def __init__(
+        self,
+        cfg: BackendsConfig,
+        *,
+        resolver: Resolver | None = None,
+        pinned: MaskProfile | None = None,
+    ) -> None:
         self.cfg = cfg
+        self.pinned = pinned
         self._resolver = resolver
         initial = cfg.static if cfg.discovery in ("static", "registry") else ()
-        self.pool = BackendPool(initial, make_balancer(cfg), pool_policy(cfg))
+        self.pool = BackendPool(initial, make_balancer(cfg), pool_policy(cfg, pinned))
         # Kept for the gateway's life once made: a reload never forgets registered workers.
         self.registry: WorkerRegistry | None = (
             WorkerRegistry(cfg.static) if cfg.discovery == "registry" else None
@@ -123,12 +132,13 @@ class Fleet:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    async def reconfigure(self, cfg: BackendsConfig) -> None:
+    async def reconfigure(self, cfg: BackendsConfig, pinned: MaskProfile | None = None) -> None:
         """Apply a reloaded config: policies swap now, backend state is kept."""
         assert self._clients is not None and self._health is not None
         old = self.cfg
         self.cfg = cfg
-        self.pool.reconfigure(make_balancer(cfg), pool_policy(cfg))
+        self.pinned = pinned
+        self.pool.reconfigure(make_balancer(cfg), pool_policy(cfg, pinned))
         if cfg.health != old.health:
             await self._health.stop()
             self._health = HealthChecker(self.pool, self._clients, cfg.health)

@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from gateway.contract.profiles import DEFAULT_CAP, Family, MaskProfile, ServerInfo, profile_of
 from gateway.fleet.balancers import Balancer
 
 log = logging.getLogger("gateway.fleet.pool")
@@ -45,10 +46,13 @@ class Backend:
         "errors_5xx",
         "health",
         "inflight",
+        "info_read_at",
         "paused",
         "probe_failures",
         "probe_successes",
+        "profile",
         "removed",
+        "server_info",
         "url",
         "weight_version",
     )
@@ -69,6 +73,11 @@ class Backend:
         self.paused = False
         self.asleep = False
         self.weight_version: str | None = None
+        # What the backend said about itself (/server_info), and the mask admission that
+        # follows from it (gateway/contract/profiles.py): the strictest until it says.
+        self.server_info: ServerInfo | None = None
+        self.info_read_at: float | None = None  # when it was last asked
+        self.profile = MaskProfile(Family.STRICT, DEFAULT_CAP)
 
     def __repr__(self) -> str:
         return f"Backend({self.url!r}, {self.health.value}, inflight={self.inflight})"
@@ -76,6 +85,10 @@ class Backend:
     @property
     def id(self) -> str:
         return worker_id(self.url)
+
+
+# What a request needs of a backend beyond being routable (proxy: weights, mask admission).
+Fit = Callable[["Backend"], bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +113,9 @@ class PoolRules:
     # A backend takes traffic only once a probe passed (registered workers: an engine is
     # often registered before it finished loading). Else a not-yet-probed one is routable.
     probation: bool = False
+    # policy.sampling_mask.profile pinned to a release: every backend gets this profile,
+    # whatever it says. None: each its own (auto).
+    pinned_profile: MaskProfile | None = None
 
 
 class BackendPool:
@@ -141,6 +157,8 @@ class BackendPool:
         self.backends = tuple(current.get(u) or fresh[u] for u in wanted)
         self._balancer.set_members(wanted)
         if added or removed:
+            self._reprofile()
+        if added or removed:
             log.info(
                 "membership: %d backends (+%d -%d)%s%s",
                 len(self.backends),
@@ -156,6 +174,29 @@ class BackendPool:
         balancer.set_members([b.url for b in self.backends])
         self._balancer = balancer
         self._policy = policy
+        self._reprofile()
+
+    # -- what each backend admits ----------------------------------------------------------
+
+    def learn(self, b: Backend, info: ServerInfo | None) -> None:
+        """Record what `b` said about itself (None: it could not be read)."""
+        b.info_read_at = self._clock()
+        if info != b.server_info and info is not None:
+            b.server_info = info
+            self._reprofile()
+
+    def _reprofile(self) -> None:
+        # A backend of unknown release gets every known rule at once, with the smallest cap
+        # any member runs: it may be any of them.
+        pinned = self._policy.pinned_profile
+        caps = [
+            b.server_info.sampling_mask_max_tokens
+            for b in self.backends
+            if b.server_info is not None and b.server_info.sampling_mask_max_tokens
+        ]
+        strict_cap = min([DEFAULT_CAP, *caps])
+        for b in self.backends:
+            b.profile = pinned or profile_of(b.server_info, strict_cap=strict_cap)
 
     # -- selection and capacity ----------------------------------------------------------
 
@@ -195,10 +236,10 @@ class BackendPool:
         exclude: Sequence[Backend] = (),
         key: str | None = None,
         *,
-        version: str | None = None,
+        fits: Fit | None = None,
     ) -> Backend | None:
-        """A routable backend below its concurrency cap (serving weights `version`, when
-        one is asked for), or None."""
+        """A routable backend below its concurrency cap (and one that `fits` the request:
+        the weights it asks for, a mask it can serve), or None."""
         now = self._clock()
         cap = self._policy.max_inflight
         candidates = [
@@ -207,7 +248,7 @@ class BackendPool:
             if self.routable(b, now)
             and (cap is None or b.inflight < cap)
             and b not in exclude
-            and (version is None or b.weight_version == version)
+            and (fits is None or fits(b))
         ]
         if not candidates:
             return None
@@ -229,22 +270,22 @@ class BackendPool:
         key: str | None,
         wait_s: float,
         *,
-        version: str | None = None,
+        fits: Fit | None = None,
     ) -> Backend | None:
         """Take a slot on a backend for the next attempt: picked and counted in flight.
 
         If every routable backend is at its concurrency cap, wait up to `wait_s` for a slot
         rather than overload one or fail at once; None when there is none to have.
         """
-        backend = self.pick(exclude, key, version=version)
+        backend = self.pick(exclude, key, fits=fits)
         if backend is None and wait_s > 0 and (self.saturated(exclude) or self.held(exclude)):
-            backend = await self._wait_for_slot(exclude, key, wait_s, version)
+            backend = await self._wait_for_slot(exclude, key, wait_s, fits)
         if backend is not None:
             backend.inflight += 1
         return backend
 
     async def _wait_for_slot(
-        self, exclude: Sequence[Backend], key: str | None, wait_s: float, version: str | None
+        self, exclude: Sequence[Backend], key: str | None, wait_s: float, fits: Fit | None
     ) -> Backend | None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
@@ -259,7 +300,7 @@ class BackendPool:
             finally:
                 if not waiter.done():
                     waiter.cancel()
-            backend = self.pick(exclude, key, version=version)
+            backend = self.pick(exclude, key, fits=fits)
             if backend is not None or not (self.saturated(exclude) or self.held(exclude)):
                 return backend
         return None

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, seed, settings
 
 from gateway.contract.inspection import inspect_body
 from gateway.contract.jsonview import Head, read_view
-from gateway.contract.policy import READS, SHAPE_ONLY, AdmissionRules, ParallelSampleCap
+from gateway.contract.policy import READS, SHAPE_ONLY, AdmissionRules, ParallelSampleCap, resolve
 from gateway.contract.routes import Kind, RouteTable
 from tests.hardening.bodies import requests
 from tests.hardening.corpus import CASES
@@ -302,7 +302,7 @@ def test_large_bodies_through_inspection_are_refused_exactly_when_orjson_refuses
     assert len(padded) >= 4096
     readable, _ = _orjson(padded)
     for kind in KINDS:
-        rejection = inspect_body(kind, padded, POLICY)
+        rejection = resolve(inspect_body(kind, padded, POLICY))
         if not readable:
             assert rejection is not None and rejection.reason == "invalid_json", kind
         else:
@@ -318,7 +318,7 @@ def test_bodies_orjson_cannot_allocate_for_are_refused_like_orjson(opening: byte
     body = opening + b'"input_ids": [' + b",".join([b"1"] * n) + b'], "text": null}'
     readable, _ = _orjson(body)
     for kind in KINDS:
-        rejection = inspect_body(kind, body, POLICY)
+        rejection = resolve(inspect_body(kind, body, POLICY))
         if readable:
             assert rejection is None or rejection.reason != "invalid_json"
         else:

@@ -33,6 +33,7 @@ from gateway.contract.policy import (
     AdmissionRules,
     Rejection,
     SamplingMaskRule,
+    resolve,
 )
 from gateway.contract.routes import Kind
 
@@ -103,7 +104,7 @@ class Recording(dict[str, Any]):
 
 
 def both(kind: Kind, body: dict[str, Any], policy: AdmissionRules = POLICY) -> Rejection | None:
-    """check() on the parsed body, asserting inspect_body() on its bytes decides the same,
+    """check() on the parsed body, asserting resolve(inspect_body()) on its bytes decides the same,
     and that the check read no top-level field the body reader leaves out (policy.READS)."""
     recording = Recording(body)
     direct = policy.check(kind, recording)
@@ -111,7 +112,7 @@ def both(kind: Kind, body: dict[str, Any], policy: AdmissionRules = POLICY) -> R
     if fields is not None:
         assert recording.read <= fields, recording.read - fields
     raw = orjson.dumps(body)
-    assert inspect_body(kind, raw, policy) == direct
+    assert resolve(inspect_body(kind, raw, policy)) == direct
     # The reader large bodies go through (gateway/contract/jsonview.py) must decide the same too.
     if kind in READS:
         assert policy.check(kind, read_view(raw, READS[kind], SHAPE_ONLY)) == direct
@@ -587,7 +588,7 @@ UNREADABLE = [
 @pytest.mark.parametrize(("raw", "reason"), UNREADABLE)
 @pytest.mark.parametrize("kind", [Kind.GENERATE, Kind.CHAT], ids=["generate", "chat"])
 def test_inspect_body_unreadable(kind: Kind, raw: bytes, reason: str) -> None:
-    rejection = inspect_body(kind, raw, POLICY)
+    rejection = resolve(inspect_body(kind, raw, POLICY))
     assert rejection is not None
     assert (rejection.status, rejection.rule, rejection.reason) == (400, "request_body", reason)
     assert rejection.validation is True
@@ -644,7 +645,7 @@ READABLE = [
 
 @pytest.mark.parametrize(("raw", "expected"), READABLE)
 def test_inspect_body_readable(raw: bytes, expected: Expected) -> None:
-    assert_outcome(inspect_body(Kind.GENERATE, raw, POLICY), expected)
+    assert_outcome(resolve(inspect_body(Kind.GENERATE, raw, POLICY)), expected)
 
 
 # --- check_headers: rule 1 (415 for what SGLang would read differently) ---------------------------

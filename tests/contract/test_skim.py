@@ -18,7 +18,7 @@ import orjson
 import pytest
 
 from gateway.contract.jsonview import Head
-from gateway.contract.policy import AdmissionRules, ParallelSampleCap
+from gateway.contract.policy import AdmissionRules, ParallelSampleCap, resolve
 from gateway.contract.routes import Kind
 from gateway.contract.skim import SKIM_MIN_BODY, _valid_slice, skim
 from gateway.edge.admission import inspect_large
@@ -102,7 +102,7 @@ def _full(body: bytes) -> tuple[bool, Any]:
 
 
 async def _verdict(kind: Kind, body: bytes) -> Any:
-    return await inspect_large(kind, body, POLICY, InspectionBudget(1 << 30), wait_s=1)
+    return resolve(await inspect_large(kind, body, POLICY, InspectionBudget(1 << 30), wait_s=1))
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -32,7 +32,7 @@ if atheris is not None:
     # mask on) counts as new coverage, which steers the fuzzer there.
     with atheris.instrument_imports(include=["gateway", "tests.sglang_model"]):
         from gateway.contract.inspection import check_headers, inspect_body
-        from gateway.contract.policy import AdmissionRules
+        from gateway.contract.policy import AdmissionRules, resolve
         from gateway.contract.routes import Kind
         from tests import sglang_model  # noqa: F401
 else:
@@ -199,7 +199,7 @@ def _dump(value: Any, style: Style) -> bytes:
 
 def check(kind: Kind, body: bytes) -> None:
     """The invariants, for one body."""
-    rejection = inspect_body(kind, body, POLICY)
+    rejection = resolve(inspect_body(kind, body, POLICY))
     if rejection is not None:
         return
     reading = sglang.read("POST", PATH[kind], body)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.contract.inspection import inspect_body
-from gateway.contract.policy import AdmissionRules
+from gateway.contract.policy import AdmissionRules, resolve
 from gateway.contract.routes import Kind
 from tests import sglang_model as sglang
 
@@ -31,7 +31,7 @@ SHAPE_PRECEDENCE = [
 @pytest.mark.parametrize("body", SHAPE_PRECEDENCE)
 def test_batch_shape_follows_sglang_precedence(body: bytes) -> None:
     assert sglang.read("POST", "/generate", body).runs_unbounded_mask
-    rejection = inspect_body(Kind.GENERATE, body, POLICY)
+    rejection = resolve(inspect_body(Kind.GENERATE, body, POLICY))
     assert rejection is not None
     assert rejection.status == 400
 
@@ -42,7 +42,7 @@ def test_batch_shape_precedence_keeps_real_batches() -> None:
         b' "sampling_params": [{"top_k": 5}, {}]}'
     )
     assert sglang.read("POST", "/generate", body).accepted
-    assert inspect_body(Kind.GENERATE, body, POLICY) is None
+    assert resolve(inspect_body(Kind.GENERATE, body, POLICY)) is None
 
 
 # /vertex_generate builds GenerateReqInput(**parameters) directly, without pydantic, so the
@@ -63,7 +63,7 @@ VERTEX_RAW = [
 @pytest.mark.parametrize("body", VERTEX_RAW)
 def test_vertex_parameters_read_as_sglang_reads_them(body: bytes) -> None:
     assert sglang.read("POST", "/vertex_generate", body).runs_unbounded_mask
-    rejection = inspect_body(Kind.VERTEX, body, POLICY)
+    rejection = resolve(inspect_body(Kind.VERTEX, body, POLICY))
     assert rejection is not None
     assert rejection.status == 400
 
@@ -81,7 +81,7 @@ def test_vertex_parameters_read_as_sglang_reads_them(body: bytes) -> None:
 )
 def test_vertex_accepted_bodies_still_forwarded(body: bytes) -> None:
     assert sglang.read("POST", "/vertex_generate", body).accepted
-    assert inspect_body(Kind.VERTEX, body, POLICY) is None
+    assert resolve(inspect_body(Kind.VERTEX, body, POLICY)) is None
 
 
 # SamplingParams.__post_init__ returns early when `is_normalized` is truthy (it is a keyword
@@ -109,7 +109,7 @@ IS_NORMALIZED = [
 @pytest.mark.parametrize(("kind", "body"), IS_NORMALIZED)
 def test_is_normalized_disables_greedy_forcing(kind: Kind, body: bytes) -> None:
     assert sglang.read("POST", ROUTE[kind], body).runs_unbounded_mask
-    rejection = inspect_body(kind, body, POLICY)
+    rejection = resolve(inspect_body(kind, body, POLICY))
     assert rejection is not None
     assert rejection.status == 400
 
@@ -120,4 +120,4 @@ def test_is_normalized_with_a_finite_top_k_is_forwarded() -> None:
         b' "top_k": 4}, "return_sampling_mask": true}'
     )
     assert sglang.read("POST", "/generate", body).accepted
-    assert inspect_body(Kind.GENERATE, body, POLICY) is None
+    assert resolve(inspect_body(Kind.GENERATE, body, POLICY)) is None

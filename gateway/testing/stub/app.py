@@ -44,6 +44,7 @@ from gateway.testing.stub.rules import (
     GENERATION_PATHS,
     Item,
     Reject,
+    Release,
     error,
     generate_items,
     generate_out,
@@ -123,9 +124,13 @@ class StubBackend:
         idle_close_s: float | None = None,
         keep: int | None = None,
         keep_body_bytes: int | None = None,
+        sampling_mask_max_tokens: int = 4096,
+        speculative_algorithm: str | None = None,
     ) -> None:
         self.model = model
         self.version = version
+        self.sampling_mask_max_tokens = sampling_mask_max_tokens
+        self.speculative_algorithm = speculative_algorithm
         self.delay_s = delay_s
         self.chunk_delay_s = chunk_delay_s
         self.fail_status = fail_status
@@ -471,7 +476,7 @@ class StubBackend:
         body = parse(await request.read())
         stream = lax_bool(body.get("stream"))
         try:
-            items, batch = generate_items(body)
+            items, batch = generate_items(body, self.release)
         except Reject as exc:
             if not (stream and exc.admission):
                 raise
@@ -521,7 +526,9 @@ class StubBackend:
         with_meta = lax_bool(body.get("return_meta_info"))
         mask_k = None
         if lax_bool(body.get("return_sampling_mask")):
-            mask_k = mask_top_k(body.get("top_k"), body.get("temperature"))
+            mask_k = mask_top_k(
+                body.get("top_k"), body.get("temperature"), body.get("top_p"), self.release
+            )
             if not with_meta:
                 raise Reject("return_sampling_mask requires return_meta_info=true.")
         if stream and with_meta:
@@ -611,7 +618,7 @@ class StubBackend:
             if isinstance(first, dict) and first.get(key):
                 gen[key] = [inst.get(key) if isinstance(inst, dict) else None for inst in instances]
                 break
-        items, _ = generate_items(gen)
+        items, _ = generate_items(gen, self.release)
         self._generated_tokens += sum(it.max_new for it in items)
         started = request[CTX].started
         return json_response(
@@ -641,14 +648,20 @@ class StubBackend:
             }
         )
 
+    @property
+    def release(self) -> Release:
+        return Release(self.version, self.sampling_mask_max_tokens, self.speculative_algorithm)
+
     async def _server_info(self, request: web.Request) -> web.StreamResponse:
+        cap = {"sampling_mask_max_tokens": self.sampling_mask_max_tokens}
         return json_response(
-            {
+            (cap if self.release.patch >= 20 else {})
+            | {
                 "version": self.version,
                 "model_path": self.model,
                 "tokenizer_path": self.model,
                 "served_model_name": self.model,
-                "speculative_algorithm": None,
+                "speculative_algorithm": self.speculative_algorithm,
                 "sampling_backend": "flashinfer",
                 "disaggregation_mode": "null",
                 "context_length": 32768,
@@ -762,6 +775,15 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--model", default="stub-model")
+    parser.add_argument(
+        "--release", default="0.5.19", help="the SGLang release whose admission it plays"
+    )
+    parser.add_argument(
+        "--sampling-mask-max-tokens", type=int, default=4096, help="the cap (0.5.20 and later)"
+    )
+    parser.add_argument(
+        "--speculative-algorithm", default=None, help="as if speculative decoding were on"
+    )
     parser.add_argument("--delay-ms", type=int, default=0)
     parser.add_argument("--chunk-delay-ms", type=int, default=0)
     parser.add_argument("--fail-status", type=int, default=None)
@@ -787,6 +809,9 @@ async def _serve(args: argparse.Namespace) -> None:
         drop=args.drop,
         keep=args.keep,
         keep_body_bytes=args.keep_body_bytes,
+        version=args.release,
+        sampling_mask_max_tokens=args.sampling_mask_max_tokens,
+        speculative_algorithm=args.speculative_algorithm,
     )
     port = await stub.start(args.host, args.port)
     host = f"[{args.host}]" if ":" in args.host else args.host

@@ -34,6 +34,15 @@ MASK_TOP_K_MESSAGE = (
     " masks in the tail, blowing up metadata, so we need a safety cap."
 )
 
+MASK_TOP_P_MESSAGE = (
+    "return_sampling_mask cannot return the full vocabulary; set top_p < 1 or a finite top_k."
+)
+
+MASK_CAP_MESSAGE = (
+    "return_sampling_mask requires top_k=1 for greedy sampling or finite 1 < top_k <= {cap}; "
+    "got top_k={top_k}. Lower top_k or increase --sampling-mask-max-tokens."
+)
+
 GENERATION_PATHS = frozenset(
     {"/generate", "/v1/chat/completions", "/invocations", "/v1/completions"}
     | {"/v1/responses", "/vertex_generate"}
@@ -110,17 +119,52 @@ def max_tokens(value: object) -> int:
     return max(0, min(n, MAX_NEW_TOKENS_CAP))
 
 
-def mask_top_k(top_k: object, temperature: object) -> int:
-    """The row width of a mask-requesting item, or a refusal under SGLang 0.5.19's rule."""
+@dataclass(frozen=True, slots=True)
+class Release:
+    """The SGLang release the stub plays, and the server settings its admission reads."""
+
+    version: str = "0.5.19"
+    mask_max_tokens: int = 4096  # --sampling-mask-max-tokens (0.5.20 and later)
+    speculative_algorithm: str | None = None
+
+    @property
+    def patch(self) -> int:
+        parts = self.version.split(".")
+        digits = "".join(ch for ch in (parts[2] if len(parts) > 2 else "") if ch.isdigit())
+        return int(digits or 0)
+
+    def refusal(self, k: int, top_p: object) -> str | None:
+        """What this release says to a mask item of normalised top_k `k`, or None."""
+        if self.patch == 18:
+            below_one = isinstance(top_p, int | float) and not isinstance(top_p, bool) and top_p < 1
+            if k == TOP_K_ALL and not below_one:
+                return MASK_TOP_P_MESSAGE
+        elif self.patch >= 20:
+            cap = self.mask_max_tokens
+            if not (k == 1 or 1 < k <= cap):
+                return MASK_CAP_MESSAGE.format(cap=cap, top_k=k)
+        elif k == TOP_K_ALL:
+            return MASK_TOP_K_MESSAGE
+        if self.speculative_algorithm is not None:
+            return "return_sampling_mask is not supported with speculative decoding."
+        return None
+
+
+def mask_top_k(
+    top_k: object, temperature: object, top_p: object = None, release: Release = Release()
+) -> int:
+    """The row width of a mask-requesting item, or the release's refusal."""
     if isinstance(temperature, int | float) and 0 <= temperature < 1e-6:
-        return 1  # SGLang forces greedy items to top_k = 1 whatever was sent
-    k = TOP_K_ALL if top_k is None else lax_int(top_k, "top_k")
-    if k == -1:
-        k = TOP_K_ALL
-    if k < 1:
-        raise Reject(f"top_k must be -1 (disable) or at least 1, got {k}.", admission=True)
-    if k == TOP_K_ALL:
-        raise Reject(MASK_TOP_K_MESSAGE, admission=True)
+        k = 1  # SGLang forces greedy items to top_k = 1 whatever was sent
+    else:
+        k = TOP_K_ALL if top_k is None else lax_int(top_k, "top_k")
+        if k == -1:
+            k = TOP_K_ALL
+        if k < 1:
+            raise Reject(f"top_k must be -1 (disable) or at least 1, got {k}.", admission=True)
+    refused = release.refusal(k, top_p)
+    if refused is not None:
+        raise Reject(refused, admission=True)
     return k
 
 
@@ -165,7 +209,7 @@ def parse(body: bytes) -> _Json:
     return obj
 
 
-def generate_items(body: _Json) -> tuple[list[Item], bool]:
+def generate_items(body: _Json, release: Release = Release()) -> tuple[list[Item], bool]:
     text, input_ids = body.get("text"), body.get("input_ids")
     prompts: list[object]
     if isinstance(text, list):
@@ -184,7 +228,11 @@ def generate_items(body: _Json) -> tuple[list[Item], bool]:
         sp = params[i] if isinstance(params, list) and i < len(params) else params
         sp = sp if isinstance(sp, dict) else {}
         on = mask[i] if batch and isinstance(mask, list) and i < len(mask) else mask
-        mask_k = mask_top_k(sp.get("top_k"), sp.get("temperature")) if lax_bool(on) else None
+        mask_k = (
+            mask_top_k(sp.get("top_k"), sp.get("temperature"), sp.get("top_p"), release)
+            if lax_bool(on)
+            else None
+        )
         item_rid = rid[i] if isinstance(rid, list) and i < len(rid) else rid
         item_rid = item_rid if isinstance(item_rid, str) else uuid.uuid4().hex
         items.append(Item(words(prompt), max_tokens(sp.get("max_new_tokens")), mask_k, item_rid))
