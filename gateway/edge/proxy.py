@@ -291,6 +291,7 @@ class Proxy:
                     )
                     exchange.log_only = rejection.rule
                     exchange.reason = rejection.reason
+                    exchange.profile = rejection.profile
                 else:
                     resp = self._reject(exchange, route.family, rejection)
                     if rejection.status == 503:
@@ -558,6 +559,7 @@ class Proxy:
         if rejection.detail:
             exchange.detail = rejection.detail
         exchange.rejected_by = rejection.rule
+        exchange.profile = rejection.profile
         return self._reply(exchange, rejection.status, body, Outcome.REJECTED, close=close)
 
     def _unavailable(self, exchange: Exchange, family: Family, outcome: Outcome) -> web.Response:

@@ -53,6 +53,8 @@ def _worker(fleet: Fleet, backend: Backend) -> dict[str, Any]:
         "healthy": backend.health is Health.HEALTHY,
         "state": state,
         "weight_version": backend.weight_version,
+        "version": backend.server_info.version if backend.server_info is not None else None,
+        "profile": backend.profile.name,
         "paused": backend.paused,
         "asleep": backend.asleep,
         "inflight": backend.inflight,

@@ -152,7 +152,7 @@ class _BackendCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         families = self._families()
-        members, healthy, state, ejected, inflight, weights = families
+        members, healthy, state, ejected, inflight, weights, info = families
         counts = dict.fromkeys((h.value for h in Health), 0)
         pool = self._pool
         for b in pool.backends:
@@ -166,12 +166,15 @@ class _BackendCollector(Collector):
             inflight.add_metric([b.url], float(b.inflight))
             if b.weight_version is not None:
                 weights.add_metric([b.url, b.weight_version], 1.0)
+            release = b.server_info.version if b.server_info is not None else None
+            info.add_metric([b.url, release or "unknown", b.profile.name], 1.0)
         for name, n in counts.items():
             members.add_metric([name], float(n))
         return families
 
     @staticmethod
     def _families() -> tuple[
+        GaugeMetricFamily,
         GaugeMetricFamily,
         GaugeMetricFamily,
         GaugeMetricFamily,
@@ -216,6 +219,13 @@ class _BackendCollector(Collector):
                 "unknown.",
                 labels=["backend", "version"],
             ),
+            GaugeMetricFamily(
+                p + "backend_info",
+                "1, labelled with the SGLang release the backend reports (/server_info; "
+                "unknown until it answers) and the mask admission profile the gateway "
+                "applies to it.",
+                labels=["backend", "version", "profile"],
+            ),
         )
 
 
@@ -236,13 +246,14 @@ class Metrics(Collector):
         )
         self.rejections = _Counter(
             "rejections",
-            "Requests refused by the gateway, by policy and reason.",
-            ["policy", "reason"],
+            "Requests refused by the gateway, by policy, reason and (for mask refusals) the "
+            "backend profile whose admission refused.",
+            ["policy", "reason", "profile"],
         )
         self.log_only_rejections = _Counter(
             "log_only_rejections",
             "Requests a policy in log_only mode would have refused (they were forwarded).",
-            ["policy", "reason"],
+            ["policy", "reason", "profile"],
         )
         self.upstream_attempts = _Counter(
             "upstream_attempts", "Requests sent (or tried) to a backend, by backend.", ["backend"]
@@ -317,11 +328,11 @@ class Metrics(Collector):
         self.requests.inc((ex.route, _method(ex.method), _status_class(ex.status)))
         self.outcomes.inc((ex.outcome_label,))
         if outcome is Outcome.REJECTED:
-            self.rejections.inc((ex.rejected_by, ex.reason))
+            self.rejections.inc((ex.rejected_by, ex.reason, ex.profile))
         elif outcome is Outcome.CLIENT_DISCONNECT:
             self.client_disconnects.inc(("waiting" if ex.first_byte is None else "streaming",))
         if ex.log_only:
-            self.log_only_rejections.inc((ex.log_only, ex.reason))
+            self.log_only_rejections.inc((ex.log_only, ex.reason, ex.profile))
         for i, url in enumerate(ex.connect_failed):
             self.upstream_attempts.inc((url,))
             self.upstream_errors.inc((url, "connect_failed"))

@@ -31,6 +31,7 @@ class Exchange:
     rejected_by: str = ""  # the rule that refused it, when the outcome is REJECTED
     reason: str = ""  # the rejecting rule's reason label, when rejected
     log_only: str = ""  # a policy in log_only mode that would have rejected (then: reason)
+    profile: str = ""  # the backend profile whose admission refused (mask refusals)
     detail: str = ""  # internal detail for the log only, never sent to the client
     backend: str = ""
     attempts: int = 0
@@ -83,6 +84,8 @@ class AccessLog:
             }
             if ex.log_only:
                 record["log_only"] = ex.log_only
+            if ex.profile:
+                record["profile"] = ex.profile
             if ex.detail:
                 record["detail"] = ex.detail
             access_log.info(orjson.dumps(record).decode())

@@ -510,13 +510,14 @@ async def test_log_only_mode_forwards_and_counts(
 async def test_rejection_counted_in_metrics(
     stub: StubBackend, gateway: Gateway, session: aiohttp.ClientSession
 ) -> None:
+    await wait_for(lambda: gateway.pool.backends[0].server_info is not None)  # 0.5.19
     body = orjson.dumps({"text": "x", "return_sampling_mask": True})
     await post(session, gateway, "/generate", body)
     async with session.get(admin_url(gateway, "/metrics")) as r:
         text = await r.text()
     assert (
-        'sglang_gateway_rejections_total{policy="sampling_mask",reason="unbounded_top_k"} 1.0'
-        in text
+        'sglang_gateway_rejections_total{policy="sampling_mask",profile="finite_top_k",'
+        'reason="unbounded_top_k"} 1.0' in text
     )
 
 

@@ -123,6 +123,7 @@ async def dead_url() -> str:
 async def test_rejection_counted_and_logged(
     stub: StubBackend, gateway: Gateway, session: aiohttp.ClientSession, access: list[str]
 ) -> None:
+    await wait_for(lambda: gateway.pool.backends[0].server_info is not None)  # 0.5.19
     started = time.perf_counter()
     status, headers, raw = await post(
         session, gateway, "/generate", MASK_BODY, **{"X-Request-Id": "rej-1"}
@@ -132,7 +133,12 @@ async def test_rejection_counted_and_logged(
     assert headers["X-Request-Id"] == "rej-1"
     _, m = await scrape(session, gateway)
     rejections = "sglang_gateway_rejections_total"
-    assert sample(m, rejections, policy="sampling_mask", reason="unbounded_top_k") == 1.0
+    assert (
+        sample(
+            m, rejections, policy="sampling_mask", reason="unbounded_top_k", profile="finite_top_k"
+        )
+        == 1.0
+    )
     assert (
         sample(
             m,
@@ -173,6 +179,7 @@ async def test_log_only_counts_what_enforce_would_refuse(
     access: list[str],
 ) -> None:
     gw = await make_gateway(stub.url, policy={"sampling_mask": {"mode": "log_only"}})
+    await wait_for(lambda: gw.pool.backends[0].server_info is not None)
     await post(session, gw, "/generate", MASK_BODY, **{"X-Request-Id": "dry-1"})
     assert len(stub.generation_requests()) == 1  # forwarded
     _, m = await scrape(session, gw)
@@ -182,6 +189,7 @@ async def test_log_only_counts_what_enforce_would_refuse(
             "sglang_gateway_log_only_rejections_total",
             policy="sampling_mask",
             reason="unbounded_top_k",
+            profile="finite_top_k",
         )
         == 1.0
     )
