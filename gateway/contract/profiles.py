@@ -108,13 +108,14 @@ class MaskProfile:
             return "ascend_backend", ASCEND_MESSAGE
         return None
 
-    def closeness(self) -> tuple[int, int]:
+    def closeness(self) -> tuple[int, int, int]:
         """Orders refusing profiles by how near a client is to being served by one: a limit
         on top_k the client can meet beats a setting it cannot change, a larger cap beats a
-        smaller one."""
+        smaller one, and a known release's own words beat the strict profile's."""
         setting = self.speculative or self.ascend
         cap = TOP_K_ALL if self.family in (Family.FINITE_TOP_K, Family.TOP_P_OR_TOP_K) else 0
-        return (0 if setting else 1, self.cap if self.cap is not None else cap)
+        known = self.family is not Family.STRICT
+        return (0 if setting else 1, self.cap if self.cap is not None else cap, int(known))
 
 
 # 0.5.19's rule: what the gateway applied to every backend before profiles, and still the

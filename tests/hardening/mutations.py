@@ -383,6 +383,20 @@ MUTATIONS = [
         "            pass\n",
         ["tests/fleet/test_shared.py::test_concurrent_changes_from_two_workers_all_land"],
     ),
+    (
+        "mask requests routed to any backend, whatever its profile admits",
+        "gateway/edge/proxy.py",
+        "        fits = _fits(version, admission)",
+        "        fits = _fits(version, None)",
+        ["tests/fleet/test_capability.py"],
+    ),
+    (
+        "backends never learn their release (every one stays strict)",
+        "gateway/fleet/health.py",
+        "                self._pool.learn(backend, info)",
+        "                pass",
+        ["tests/fleet/test_capability.py"],
+    ),
 ]
 
 
