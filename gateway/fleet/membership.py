@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Sequence
 from typing import Protocol
 
 from gateway.config import BackendsConfig, KubernetesConfig
@@ -23,7 +24,7 @@ from gateway.fleet.discovery import (
     StaticDiscovery,
 )
 from gateway.fleet.health import HealthChecker, Prober
-from gateway.fleet.pool import BackendPool, EjectionRules, PoolRules
+from gateway.fleet.pool import Backend, BackendPool, EjectionRules, PoolRules
 from gateway.fleet.registry import WorkerRegistry
 from gateway.fleet.shared import Change, Document, SharedState
 
@@ -81,6 +82,8 @@ class Fleet:
         self._clients: FleetClients | None = None
         self.shared: SharedState | None = None
         self._follow_task: asyncio.Task[None] | None = None
+        self._doc: Document | None = None
+        self._sharing: set[asyncio.Future[None]] = set()
 
     def _make_discovery(self, cfg: BackendsConfig, clients: FleetClients) -> Discovery:
         if cfg.discovery == "dns":
@@ -109,9 +112,11 @@ class Fleet:
         return StaticDiscovery(cfg.static)
 
     def _publish(self, urls: tuple[str, ...]) -> None:
-        self.pool.update(urls)
+        added, _ = self.pool.update(urls)
         if self._health is not None:
             self._health.sync(self.pool.backends)
+        if self._doc is not None and added:
+            self._apply_states(self._doc, added)
 
     def start(self, clients: FleetClients) -> None:
         self._clients = clients
@@ -154,20 +159,22 @@ class Fleet:
     async def join(self, shared: SharedState) -> None:
         """Adopt the fleet the other workers know, then follow its changes."""
         self.shared = shared
-        doc = await asyncio.to_thread(shared.load_if_changed)
-        if doc is not None:
-            self.adopt(doc)
-            await asyncio.to_thread(shared.acknowledge, int(doc.get("generation", 0)))
-        self._follow_task = asyncio.create_task(shared.follow(self.adopt), name="fleet-shared")
+        shared.attach(self.adopt)
+        await shared.take(await asyncio.to_thread(shared.load))
+        self._follow_task = asyncio.create_task(shared.follow(), name="fleet-shared")
 
     def adopt(self, doc: Document) -> None:
         """Take the shared document's membership and engine states as this worker's."""
+        self._doc = doc  # kept: backends that discovery adds later get their states too
         members = doc.get("members")
         if self.registry is not None and isinstance(members, dict):
             self.registry.replace(members)
+        self._apply_states(doc)
+
+    def _apply_states(self, doc: Document, backends: Sequence[Backend] | None = None) -> None:
         states = doc.get("backends") or {}
         woke = False
-        for b in self.pool.backends:
+        for b in self.pool.backends if backends is None else backends:
             st = states.get(b.url)
             if not st:
                 continue
@@ -183,9 +190,15 @@ class Fleet:
             self.pool.wake_waiters()
 
     async def share(self, change: Change) -> None:
-        """Hand a change this worker made to its siblings (nothing to do when alone)."""
-        if self.shared is not None:
-            await self.shared.record(change)
+        """Hand a change this worker made to its siblings (nothing to do when alone). The
+        sharing runs to its end even if the caller is cancelled (its client went away):
+        a change applied here and never shared would leave the workers apart for good."""
+        if self.shared is None or not change:
+            return
+        task = asyncio.ensure_future(self.shared.record(change))
+        self._sharing.add(task)
+        task.add_done_callback(self._sharing.discard)
+        await asyncio.shield(task)
 
     async def confirm_versions(self, urls: list[str], timeout_s: float) -> Change:
         """Ask each engine which weights it serves now (its /model_info) and take its
@@ -198,7 +211,14 @@ class Fleet:
         for b in self.pool.backends:
             if b.url in read:
                 b.weight_version = read[b.url]
-        return Change(states={u: {"weight_version": v} for u, v in read.items()})
+        latest = None
+        if len(set(read.values())) == 1:
+            # routing.weight_version: latest must name what the engines serve.
+            (latest,) = set(read.values())
+            self.pool.latest_version = latest
+        return Change(
+            states={u: {"weight_version": v} for u, v in read.items()}, latest_version=latest
+        )
 
     async def stop(self) -> None:
         if self._follow_task is not None:

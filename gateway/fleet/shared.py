@@ -54,25 +54,12 @@ class Change:
     def __bool__(self) -> bool:
         return bool(self.added or self.removed or self.states or self.latest_version)
 
-    def then(self, later: Change) -> Change:
-        """This change followed by `later` (whose fields win)."""
-        states = {url: dict(fields) for url, fields in self.states.items()}
-        for url, fields in later.states.items():
-            states.setdefault(url, {}).update(fields)
-        return Change(
-            added={**self.added, **later.added},
-            removed=self.removed | later.removed,
-            states=states,
-            latest_version=later.latest_version or self.latest_version,
-        )
 
-
-def new_document(members: list[str] | None) -> Document:
-    """The document a supervisor starts with; `members` is the registry seed (None when
-    membership comes from another discovery source)."""
+def new_document(members: list[str]) -> Document:
+    """The document a supervisor starts with; `members` is the registry seed."""
     return {
         "generation": 0,
-        "members": None if members is None else {url: {} for url in members},
+        "members": {url: {} for url in members},
         "backends": {},
         "latest_version": None,
     }
@@ -80,12 +67,11 @@ def new_document(members: list[str] | None) -> Document:
 
 def merge(doc: Document, change: Change) -> Document:
     """`doc` with `change` applied, generation counted up."""
-    members = doc.get("members")
-    if members is not None:
-        for url, extras in change.added.items():
-            members.setdefault(url, dict(extras))
-        for url in change.removed:
-            members.pop(url, None)
+    members: dict[str, Any] = doc.setdefault("members", {})
+    for url, extras in change.added.items():
+        members.setdefault(url, dict(extras))
+    for url in change.removed:
+        members.pop(url, None)
     backends: dict[str, dict[str, Any]] = doc.setdefault("backends", {})
     for url in change.removed:
         backends.pop(url, None)
@@ -111,6 +97,30 @@ def read_document(path: Path) -> Document:
     return doc
 
 
+def update_locked(path: Path, change: Callable[[Document], Document]) -> Document:
+    """Read, change and replace the document under an exclusive lock (blocking), so that
+    changes made at once by several processes all land. Returns the new document."""
+    with path.with_name(path.name + ".lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            doc = change(read_document(path))
+            write_document(path, doc)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return doc
+
+
+def reseed(path: Path, members: list[str]) -> Document:
+    """A reload turned registry discovery on: the registry starts from the new seed."""
+
+    def change(doc: Document) -> Document:
+        doc["members"] = {url: {} for url in members}
+        doc["generation"] = int(doc.get("generation", 0)) + 1
+        return doc
+
+    return update_locked(path, change)
+
+
 class SharedState:
     """One worker's view of the shared document."""
 
@@ -118,9 +128,10 @@ class SharedState:
         self.path = Path(path)
         self.index = index
         self.workers = workers
-        self._lock_path = self.path.with_name(self.path.name + ".lock")
-        self.generation = -1  # the generation this worker adopted last
-        self._stamp: tuple[int, int] | None = None
+        # The newest generation this worker adopted. Only newer documents are taken, so a
+        # poll that read the file just before this worker's own change never reverts it.
+        self.generation = -1
+        self._adopt: Callable[[Document], None] | None = None
         self.acks_missed = 0  # changes some sibling had not adopted when the wait ended
 
     @classmethod
@@ -135,38 +146,41 @@ class SharedState:
 
     # -- reading -------------------------------------------------------------------------
 
-    def load_if_changed(self) -> Document | None:
-        """The document when it changed since the last call (blocking; run in a thread)."""
+    def load(self) -> Document | None:
+        """The document as it is now (blocking; run in a thread). Read whole every time:
+        it is small, and a file's mtime and inode can repeat across two quick writes."""
         try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            return None
-        stamp = (st.st_mtime_ns, st.st_ino)
-        if stamp == self._stamp:
-            return None
-        try:
-            doc = read_document(self.path)
+            return read_document(self.path)
         except (OSError, ValueError):
-            return None  # replaced under us: the next poll reads the new one
-        self._stamp = stamp
-        return doc
+            return None  # missing, or replaced under us: the next poll reads the new one
 
-    def acknowledge(self, generation: int) -> None:
-        """Say this worker adopted `generation` (blocking)."""
-        self.generation = generation
+    def _acknowledge(self, generation: int) -> None:
         ack = self._ack_path(self.index)
         tmp = ack.with_name(ack.name + ".new")
         tmp.write_text(str(generation))
         os.replace(tmp, ack)
 
-    async def follow(self, adopt: Callable[[Document], None]) -> None:
+    async def take(self, doc: Document | None) -> None:
+        """Adopt `doc` if it is newer than what this worker has, and say so."""
+        if doc is None or self._adopt is None:
+            return
+        generation = int(doc.get("generation", 0))
+        if generation <= self.generation:
+            return
+        # Checked and adopted in one step of the loop: nothing runs in between.
+        self.generation = generation
+        self._adopt(doc)
+        await asyncio.to_thread(self._acknowledge, generation)
+
+    def attach(self, adopt: Callable[[Document], None]) -> None:
+        """Who takes the documents this worker adopts (its Fleet)."""
+        self._adopt = adopt
+
+    async def follow(self) -> None:
         """Adopt every new generation of the document, for as long as the worker runs."""
         while True:
             try:
-                doc = await asyncio.to_thread(self.load_if_changed)
-                if doc is not None and int(doc.get("generation", 0)) != self.generation:
-                    adopt(doc)
-                    await asyncio.to_thread(self.acknowledge, int(doc["generation"]))
+                await self.take(await asyncio.to_thread(self.load))
             except asyncio.CancelledError:
                 raise
             except Exception:  # a bad read must not end sharing for the worker's life
@@ -174,16 +188,6 @@ class SharedState:
             await asyncio.sleep(POLL_S)
 
     # -- writing -------------------------------------------------------------------------
-
-    def _merge_locked(self, change: Change) -> int:
-        with self._lock_path.open("a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                doc = merge(read_document(self.path), change)
-                write_document(self.path, doc)
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
-        return int(doc["generation"])
 
     def _acked(self, generation: int) -> list[int]:
         """The sibling workers that have not yet adopted `generation`."""
@@ -201,15 +205,18 @@ class SharedState:
 
     async def record(self, change: Change) -> None:
         """Share a change this worker already applied; return once every sibling has it
-        (or after ACK_TIMEOUT_S: a sibling that is restarting adopts it when it starts)."""
+        (or after ACK_TIMEOUT_S: a sibling that is restarting adopts it when it starts).
+        This worker adopts the merged document at once (siblings' changes included)."""
         if not change:
             return
         try:
-            generation = await asyncio.to_thread(self._merge_locked, change)
+            doc = await asyncio.to_thread(update_locked, self.path, lambda d: merge(d, change))
         except (OSError, ValueError):
             # The change holds in this worker; its siblings miss it until the next one lands.
             log.exception("sharing a fleet change with the other workers failed")
             return
+        await self.take(doc)
+        generation = int(doc["generation"])
         deadline = time.monotonic() + ACK_TIMEOUT_S
         while behind := await asyncio.to_thread(self._acked, generation):
             if time.monotonic() >= deadline:

@@ -42,7 +42,7 @@ from prometheus_client.registry import Collector
 from gateway import config as config_mod
 from gateway import runtime
 from gateway.config import GatewayConfig
-from gateway.fleet.shared import STATE_ENV, WORKERS_ENV, new_document, write_document
+from gateway.fleet.shared import STATE_ENV, WORKERS_ENV, new_document, reseed, write_document
 from gateway.ops.admin import make_admin_app
 from gateway.ops.lifecycle import LIFELINE_ENV, read_reload, watch_mtime
 
@@ -130,8 +130,7 @@ class Supervisor:
         # The fleet state the workers share (gateway/fleet/shared.py): registry members and
         # engine states live here, so a restarted worker finds them.
         self.fleet_state = self._dir / "fleet.json"
-        seed = list(cfg.backends.static) if cfg.backends.discovery == "registry" else None
-        write_document(self.fleet_state, new_document(seed))
+        write_document(self.fleet_state, new_document(list(cfg.backends.static)))
         self.reloads = 0
         self.reload_failures = 0
         self._reload_lock = asyncio.Lock()
@@ -154,6 +153,10 @@ class Supervisor:
                 self.reload_failures += 1  # the workers keep the running config
                 return False
             await asyncio.to_thread(self._write_snapshot, cfg)
+            turned_on = cfg.backends.discovery == "registry"
+            if turned_on and self.cfg.backends.discovery != "registry":
+                # Registry discovery turned on: every worker starts from the new seed.
+                await asyncio.to_thread(reseed, self.fleet_state, list(cfg.backends.static))
             self.cfg = cfg
             self.reloads += 1
             self._signal_all(signal.SIGHUP)

@@ -359,3 +359,22 @@ async def test_requests_go_to_the_weights_they_ask_for(
         missing = {**json_ct, "X-Weight-Version": "v9"}
         async with s.post(gw_url(gw, "/generate"), data=gen, headers=missing) as r:
             assert r.status == 503
+
+
+async def test_a_control_call_whose_caller_leaves_still_completes_and_is_recorded(
+    stubs: list[StubBackend], make_gateway: GatewayFactory
+) -> None:
+    gw = await make_gateway(*(s.url for s in stubs[:2]))
+    slow = {"X-Stub-Delay-Ms": "300"}  # the engines take a while to pause
+    async with aiohttp.ClientSession() as s:
+        with pytest.raises(TimeoutError):
+            async with s.post(
+                gw_url(gw, "/pause_generation"),
+                data=b'{"mode": "retract"}',
+                headers=slow,
+                timeout=aiohttp.ClientTimeout(total=0.1),
+            ) as r:
+                await r.read()
+    # The engines paused; the gateway knows it, though nobody waited for the answer.
+    await wait_for(lambda: all(b.paused for b in gw.pool.backends), timeout=5)
+    assert [s.pause_mode for s in stubs[:2]] == ["retract", "retract"]

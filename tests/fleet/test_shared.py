@@ -26,21 +26,17 @@ def test_merge_applies_each_kind_of_change() -> None:
 def test_an_empty_change_is_not_shared() -> None:
     assert not Change()
     assert Change(states={A: {"asleep": True}})
-    later = Change(states={A: {"weight_version": "v3"}}, latest_version="v3")
-    both = Change(states={A: {"weight_version": "v2"}, B: {"paused": False}}).then(later)
-    assert both.states == {A: {"weight_version": "v3"}, B: {"paused": False}}
-    assert both.latest_version == "v3"
 
 
 async def test_concurrent_changes_from_two_workers_all_land(tmp_path: Path) -> None:
     path = tmp_path / "fleet.json"
     write_document(path, new_document([]))
-    one, two = SharedState(path, 0, 1), SharedState(path, 1, 1)  # 1: nobody to wait for
+    one, two = SharedState(path, 0, 1), SharedState(path, 0, 1)  # alone: no sibling to wait for
     urls = [f"http://127.0.0.1:{1000 + i}" for i in range(40)]
     await asyncio.gather(
         *((one if i % 2 else two).record(Change(added={url: {}})) for i, url in enumerate(urls))
     )
-    doc = one.load_if_changed()
+    doc = one.load()
     assert doc is not None and set(doc["members"]) == set(urls) and doc["generation"] == 40
 
 
@@ -50,15 +46,18 @@ async def test_a_worker_adopts_what_another_changed(tmp_path: Path) -> None:
     fleet = Fleet(BackendsConfig(discovery="registry", static=[A]))
     assert fleet.registry is not None
     await fleet.registry.run(fleet.pool.update)
-    sibling = SharedState(path, 1, 1)
+    sibling = SharedState(path, 0, 1)
     await sibling.record(Change(added={B: {"bootstrap_port": 8998}}))
     await sibling.record(Change(states={A: {"paused": True}, B: {"weight_version": "v5"}}))
     shared = SharedState(path, 0, 2)
-    doc = shared.load_if_changed()
-    assert doc is not None
-    fleet.adopt(doc)
+    shared.attach(fleet.adopt)
+    await shared.take(shared.load())
     by_url = {b.url: b for b in fleet.pool.backends}
     assert set(by_url) == {A, B} and fleet.registry.extras(B) == {"bootstrap_port": 8998}
     assert by_url[A].paused and not by_url[B].paused
     assert by_url[B].weight_version == "v5" and by_url[A].weight_version is None
-    assert shared.load_if_changed() is None  # unchanged since: not read again
+    # An older document (a poll that read the file before this worker's own change) is
+    # never taken over a newer one.
+    stale = {"generation": 1, "members": {A: {}}, "backends": {A: {"paused": False}}}
+    await shared.take(stale)
+    assert by_url[A].paused and set(fleet.registry.urls) == {A, B}

@@ -170,13 +170,16 @@ async def test_two_workers_share_registry_pause_and_weights(
     async with aiohttp.ClientSession() as s, asyncio.timeout(20):
         while True:
             async with s.get(fleet2.admin + "/readyz") as r:
-                if r.status == 200 and set(_children(fleet2.proc.pid)) - set(children):
+                ready = r.status == 200 and (await r.json())["reason"] == "2/2 workers ready"
+                if ready and set(_children(fleet2.proc.pid)) - set(children):
                     break
             await asyncio.sleep(0.1)
     for status, listed, _ in await fleet2.each("GET", "/workers"):
         assert status == 200
         assert {w["url"] for w in listed["workers"]} == {first.url, second.url}
         assert {w["weight_version"] for w in listed["workers"]} == {"step-2"}
+
+    await fleet2.served_by_both()  # the restarted worker answered some of those
 
     # Removed through one worker: gone from every worker.
     status, _ = await fleet2.call("DELETE", f"/workers/{worker['id']}")
@@ -194,8 +197,11 @@ async def test_an_abort_reaches_a_rid_routed_by_the_other_worker(
         assert status == 200
     slow = {**JSON, "X-Stub-Delay-Ms": "20000"}
     body = orjson.dumps({"text": "x", "rid": "rollout-7"})
+    seen = sum(s.generations_seen for s in stubs)
     running = asyncio.ensure_future(fleet2.once("POST", "/generate", data=body, headers=slow))
-    await asyncio.sleep(0.3)
+    async with asyncio.timeout(10):
+        while sum(s.generations_seen for s in stubs) == seen:  # it reached its engine
+            await asyncio.sleep(0.01)
     # Aborts on fresh connections: whichever worker takes one, the owner gets it.
     for status, reply, _ in (
         await fleet2.each("POST", "/abort_request", json={"rid": "rollout-7"})

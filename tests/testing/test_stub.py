@@ -579,3 +579,44 @@ async def test_pause_in_abort_mode_aborts_running_requests(
         assert r.status == 200
     async with session.post(f"{stub.url}/flush_cache") as r:
         assert r.status == 400
+
+
+async def test_a_generation_running_when_paused_in_place_stays_running(
+    stub: StubBackend, session: aiohttp.ClientSession
+) -> None:
+    running = asyncio.ensure_future(
+        post(session, f"{stub.url}/generate", {"text": "x"}, {"X-Stub-Delay-Ms": "200"})
+    )
+    await _until(lambda: stub.generations_seen == 1)
+    async with session.post(f"{stub.url}/pause_generation", json={"mode": "in_place"}) as r:
+        assert r.status == 200
+    await asyncio.sleep(0.4)  # its work is done; it is held in place until continue
+    assert not running.done()
+    async with session.get(f"{stub.url}/v1/loads") as r:
+        (load,) = (await r.json())["loads"]
+    assert (load["num_running_reqs"], load["num_waiting_reqs"]) == (1, 0)
+    async with session.post(f"{stub.url}/release_memory_occupation", json={}) as r:
+        assert r.status == 400  # a request is running
+    async with session.post(f"{stub.url}/continue_generation", json={}) as r:
+        assert r.status == 200
+    status, out, _ = await running
+    assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+async def test_an_aborted_batch_answers_every_item_with_its_own_message(
+    stub: StubBackend, session: aiohttp.ClientSession
+) -> None:
+    slow = {"X-Stub-Delay-Ms": "5000"}
+    batch = asyncio.ensure_future(
+        post(session, f"{stub.url}/generate", {"text": ["a", "b", "c"]}, slow)
+    )
+    await _until(lambda: stub.generations_seen == 1)
+    body = {"abort_all": True, "abort_message": "first"}
+    async with session.post(f"{stub.url}/abort_request", json=body) as r:
+        assert r.status == 200
+    later = {"abort_all": True, "abort_message": "second"}
+    async with session.post(f"{stub.url}/abort_request", json=later) as r:
+        assert r.status == 200
+    status, outs, _ = await batch
+    assert status == 200 and len(outs) == 3
+    assert {o["meta_info"]["finish_reason"]["message"] for o in outs} == {"first"}

@@ -90,14 +90,21 @@ def _run_of(body: bytes) -> Run:
     sent: _Json = parsed if isinstance(parsed, dict) else {}
     rid, text, ids = sent.get("rid"), sent.get("text"), sent.get("input_ids")
     if isinstance(rid, str):
-        rids = frozenset({rid})
+        rids: tuple[str, ...] = (rid,)
     elif isinstance(rid, list):
-        rids = frozenset(r for r in rid if isinstance(r, str))
+        rids = tuple(r for r in rid if isinstance(r, str))
     else:
-        rids = frozenset()
-    batch = isinstance(rid, list) or isinstance(text, list)
-    batch = batch or (isinstance(ids, list) and bool(ids) and isinstance(ids[0], list))
-    return Run(rids, batch)
+        rids = ()
+    batch_ids = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+    if isinstance(text, list):
+        size = len(text)
+    elif isinstance(ids, list) and batch_ids:
+        size = len(ids)
+    elif isinstance(rid, list):
+        size = len(rid)
+    else:
+        size = 1
+    return Run(rids, isinstance(text, list) or batch_ids or isinstance(rid, list), size)
 
 
 class StubBackend:
@@ -160,7 +167,6 @@ class StubBackend:
         # Scripts the engine operations (pause, weight updates, ...): this status and
         # {"success": false} instead of doing them, as an engine whose weight load failed.
         self.engine_op_status: int | None = None
-        self._abort_message = "Abort request"
         self._runs: set[Run] = set()
         self._unpaused = asyncio.Event()
         self._unpaused.set()
@@ -310,7 +316,8 @@ class StubBackend:
         ctx.drop = request.headers.get("X-Stub-Drop") or (self.drop if gen else None)
 
         if gen:
-            if await self._hold(ctx, delay, arriving=True):
+            # Paused when it came: it waits in the queue (then in place or not, it queues).
+            if await self._hold(ctx, delay, arriving=not self._unpaused.is_set()):
                 return self._aborted_reply(request, ctx)
         elif delay > 0:
             await asyncio.sleep(delay)
@@ -393,17 +400,20 @@ class StubBackend:
             self._waiting -= queued
         return run.aborted.is_set()
 
-    def _abort_runs(self, runs: Iterable[Run]) -> None:
+    def _abort_runs(self, runs: Iterable[Run], message: str = "Abort request") -> None:
         for run in runs:
             if not run.aborted.is_set():
+                run.abort_message = message
                 run.aborted.set()
                 self.aborted += 1
 
     def _aborted_out(self, request: web.Request, ctx: Ctx) -> list[_Json]:
         """What an aborted generation answers: SGLang's finish_reason of type abort."""
         run = ctx.run
-        rids = sorted(run.rids) if run is not None and run.rids else [uuid.uuid4().hex]
-        reason = {"type": "abort", "message": self._abort_message}
+        size = run.size if run is not None else 1
+        rids = list(run.rids) if run is not None and run.rids else []
+        rids += [uuid.uuid4().hex for _ in range(size - len(rids))]
+        reason = {"type": "abort", "message": run.abort_message if run else "Abort request"}
         if request.path == "/generate":
             meta = {"finish_reason": reason, "weight_version": self.weight_version}
             return [{"text": "", "output_ids": [], "meta_info": {"id": rid} | meta} for rid in rids]
@@ -686,11 +696,11 @@ class StubBackend:
         parsed = parse(body) if body else {}
         sent = parsed if isinstance(parsed, dict) else {}
         message = sent.get("abort_message")
-        self._abort_message = message if isinstance(message, str) else "Abort request"
+        text = message if isinstance(message, str) else "Abort request"
         if lax_bool(sent.get("abort_all")):
-            self._abort_runs(list(self._runs))
+            self._abort_runs(list(self._runs), text)
         elif isinstance(rid := sent.get("rid"), str):
-            self._abort_runs([r for r in self._runs if rid in r.rids])
+            self._abort_runs([r for r in self._runs if rid in r.rids], text)
         return web.Response()
 
     async def _engine_op(self, request: web.Request) -> web.StreamResponse:
@@ -707,7 +717,6 @@ class StubBackend:
             if mode not in ("abort", "retract", "in_place"):
                 raise Reject(f"mode must be abort, retract or in_place, not {mode!r}")
             if mode == "abort":  # running requests end; retract and in_place keep them
-                self._abort_message = "Abort request"
                 self._abort_runs(list(self._runs))
             self.pause_mode = mode
             self._unpaused.clear()

@@ -36,9 +36,11 @@ class Ctx:
 class Run:
     """A generation in flight, as abort_request and pause_generation find it."""
 
-    rids: frozenset[str]
+    rids: tuple[str, ...]  # in batch order
     batch: bool
+    size: int = 1  # items in the batch
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    abort_message: str = "Abort request"
 
 
 CTX = web.RequestKey("stub_ctx", Ctx)
