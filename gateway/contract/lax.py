@@ -19,7 +19,9 @@ TOP_K_ALL: Final = 1 << 30  # SGLang's "no top-k" sentinel (docs/sglang-contract
 # pydantic's str -> bool table (case-insensitive, no stripping).
 _TRUE_STRINGS: Final = frozenset({"true", "t", "y", "yes", "on", "1"})
 _FALSE_STRINGS: Final = frozenset({"false", "f", "n", "no", "off", "0"})
-_INT_STRING: Final = re.compile(r"[+-]?[0-9]+\Z")
+# pydantic's integer strings: ASCII digits, single underscores between them, a fraction of
+# zeros only, surrounding whitespace stripped.
+_INT_STRING: Final = re.compile(r"[ \t\n\r\f\v]*([+-]?[0-9]+(?:_[0-9]+)*)(?:\.0+)?[ \t\n\r\f\v]*\Z")
 
 
 class Invalid(ValueError):
@@ -67,8 +69,8 @@ def lax_int(value: object, field: str) -> int | None:
         if abs(value) >= 2.0**63:
             raise Invalid(field, "Input should be a valid integer, unable to parse as int64")
         return int(value)
-    if isinstance(value, str) and _INT_STRING.match(value):
-        return int(value)
+    if isinstance(value, str) and (m := _INT_STRING.match(value)):
+        return int(m[1])
     raise Invalid(field, "Input should be a valid integer")
 
 
@@ -88,12 +90,19 @@ def plain_int(value: object, field: str) -> int | None:
     raise Invalid(field, "must be an integer")
 
 
-def is_greedy(temperature: object) -> bool:
+def is_greedy(temperature: object, *, lax: bool = False) -> bool:
     """SGLang forces top_k = 1 when 0 <= temperature < 1e-6.
 
-    Only real numbers count: a bool or string temperature is never taken as greedy here,
-    which can only make the gateway stricter.
+    Plain (/generate): only real numbers count. lax (OpenAI routes, read by pydantic): a
+    numeric string counts as its number, as pydantic reads "0" as 0.0. A bool is never
+    greedy here (pydantic may read false as 0.0): stricter, never looser. Whenever this
+    says greedy, SGLang either reads the same number or refuses the value itself.
     """
+    if lax and isinstance(temperature, str):
+        try:
+            temperature = float(temperature.strip(" \t\n\r\f\v"))
+        except ValueError:
+            return False
     if isinstance(temperature, bool) or not isinstance(temperature, int | float):
         return False
     return 0 <= temperature < 1e-6

@@ -266,7 +266,12 @@ class AdmissionRules:
         # disagree SGLang fails or broadcasts, so a missing flag counts as "any flag on" and
         # missing params as {} (unbounded): over-refusing a malformed batch is the safe side.
         any_on = any(flags)
-        n_items = max(batch_size or 1, len(param_list), 1 if broadcast else len(flags))
+        if batch_size is not None:
+            # SGLang pairs the first batch_size flags and params with the items; extra ones
+            # are never read.
+            n_items = max(batch_size, 1)
+        else:
+            n_items = max(1, len(param_list), 1 if broadcast else len(flags))
         for i in range(n_items):
             flag = flags[0] if broadcast else (flags[i] if i < len(flags) else any_on)
             p = param_list[i] if i < len(param_list) else None
@@ -328,7 +333,8 @@ class AdmissionRules:
         capped = self.samples.check(params, generate=generate)
         if capped is not None:
             return capped
-        if is_greedy(params.get("temperature")) and not (generate and params.get("is_normalized")):
+        greedy = is_greedy(params.get("temperature"), lax=not generate)
+        if greedy and not (generate and params.get("is_normalized")):
             # SGLang forces top_k = 1 for greedy items whatever top_k says, unless the
             # sampling_params carry a truthy `is_normalized`, which skips that step.
             if mask_on:

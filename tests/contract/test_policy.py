@@ -480,7 +480,17 @@ CHAT = [
     pytest.param(chat_mask(temperature=5e-7), None, id="greedy-5e-7"),
     pytest.param(chat_mask(temperature=1e-6), MASK, id="temperature-1e-6"),
     pytest.param(chat_mask(temperature=1.0), MASK, id="temperature-1"),
-    pytest.param(chat_mask(temperature="0"), MASK, id="temperature-str-0"),
+    # pydantic reads a numeric string as its float: "0" is greedy in SGLang, so top_k = 1.
+    pytest.param(chat_mask(temperature="0"), None, id="temperature-str-0"),
+    pytest.param(chat_mask(temperature=" 0.0 "), None, id="temperature-str-0.0-spaces"),
+    pytest.param(chat_mask(temperature="0.5"), MASK, id="temperature-str-0.5"),
+    pytest.param(chat_mask(temperature="hot"), MASK, id="temperature-str-word"),
+    pytest.param(chat_mask(temperature=False), MASK, id="temperature-false-stricter"),
+    # pydantic's lax integers: whitespace, underscores and a zero fraction.
+    pytest.param(chat_mask(top_k=" 5"), None, id="top_k-str-leading-space"),
+    pytest.param(chat_mask(top_k="5 \n"), None, id="top_k-str-trailing-space"),
+    pytest.param(chat_mask(top_k="1_000"), None, id="top_k-str-underscore"),
+    pytest.param(chat_mask(top_k="-1.0"), MASK, id="top_k-str-minus-1.0"),
     pytest.param(chat(return_sampling_mask=True, temperature=0), META, id="greedy-no-meta"),
     pytest.param(chat_mask(temperature=0, stream=True), STREAM, id="greedy-stream"),
     # rule 6: no mask, no rule
@@ -693,3 +703,50 @@ def test_check_headers(
             reason,
         )
         assert rejection.message
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        # SGLang pairs only the first batch_size flags and params with the items.
+        pytest.param(
+            {
+                "text": ["a", "b"],
+                "return_sampling_mask": [True, True, True],
+                "sampling_params": [{"top_k": 5}, {"top_k": 5}],
+            },
+            None,
+            id="mask-list-longer-than-batch",
+        ),
+        pytest.param(
+            {
+                "text": ["a", "b"],
+                "return_sampling_mask": True,
+                "sampling_params": [{"top_k": 5}, {"top_k": 5}, {"top_p": 0.9}],
+            },
+            None,
+            id="params-list-longer-than-batch",
+        ),
+        # Shorter lists: SGLang fails or broadcasts; every pairing is checked.
+        pytest.param(
+            {
+                "text": ["a", "b", "c"],
+                "return_sampling_mask": [False, True],
+                "sampling_params": [{"top_k": 5}, {"top_k": 5}],
+            },
+            MASK,
+            id="lists-shorter-than-batch",
+        ),
+        pytest.param(
+            {
+                "text": ["a", "b"],
+                "return_sampling_mask": [True, True, True],
+                "sampling_params": [{"top_k": 5}, {"top_p": 0.9}, {"top_k": 5}],
+            },
+            MASK,
+            id="an-unbounded-item-within-the-batch",
+        ),
+    ],
+)
+def test_batch_lists_longer_than_the_batch(body: dict[str, Any], expected: Expected) -> None:
+    assert_outcome(both(Kind.GENERATE, body), expected)
