@@ -42,9 +42,9 @@ MUTATIONS = [
     ),
     (
         "top_k above TOP_K_ALL counted finite",
-        "gateway/contract/policy.py",
-        "return k is None or k == -1 or k >= TOP_K_ALL",
-        "return k is None or k == -1 or k == TOP_K_ALL",
+        "gateway/contract/profiles.py",
+        "return self.top_k >= TOP_K_ALL",
+        "return self.top_k == TOP_K_ALL",
         ["tests/hardening/test_differential.py", "tests/hardening/test_corpus.py"],
     ),
     (
