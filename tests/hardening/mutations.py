@@ -379,8 +379,8 @@ MUTATIONS = [
     (
         "concurrent fleet changes merged without the lock",
         "gateway/fleet/shared.py",
-        "            fcntl.flock(lock, fcntl.LOCK_EX)\n",
-        "            pass\n",
+        "        fcntl.flock(lock, fcntl.LOCK_EX)\n",
+        "        pass\n",
         ["tests/fleet/test_shared.py::test_concurrent_changes_from_two_workers_all_land"],
     ),
     (
