@@ -93,16 +93,16 @@ def plain_int(value: object, field: str) -> int | None:
 def is_greedy(temperature: object, *, lax: bool = False) -> bool:
     """SGLang forces top_k = 1 when 0 <= temperature < 1e-6.
 
-    Plain (/generate): only real numbers count. lax (OpenAI routes, read by pydantic): a
-    numeric string counts as its number, as pydantic reads "0" as 0.0. A bool is never
-    greedy here (pydantic may read false as 0.0): stricter, never looser. Whenever this
-    says greedy, SGLang either reads the same number or refuses the value itself.
+    A bool is its number on every route: SGLang compares `0 <= false < 1e-6` (true on
+    /generate, where no pydantic runs) and pydantic reads false as 0.0. lax (OpenAI
+    routes): a numeric string counts as its number too, as pydantic reads "0" as 0.0.
+    Whenever this says greedy, SGLang either reads the same number or refuses the value.
     """
     if lax and isinstance(temperature, str):
         try:
             temperature = float(temperature.strip(" \t\n\r\f\v"))
         except ValueError:
             return False
-    if isinstance(temperature, bool) or not isinstance(temperature, int | float):
+    if not isinstance(temperature, int | float):
         return False
     return 0 <= temperature < 1e-6

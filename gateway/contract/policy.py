@@ -260,6 +260,12 @@ class AdmissionRules:
             flags = [bool(read_flag(raw_mask, "return_sampling_mask"))]
             broadcast = True
 
+        if batch_size is None and isinstance(params, list) and params and _parallel(params[0]):
+            # Parallel samples turn a single request into a batch of one (SGLang's
+            # _handle_parallel_sampling): only the first params are ever read.
+            batch_size = 1
+        if batch_size == 0:
+            return None  # an empty batch runs nothing: SGLang answers []
         if broadcast and not isinstance(params, list):
             return self._check_item(params or {}, items, mask_on=flags[0], generate=True)
         # Every (item, params) pairing SGLang could make is checked. Where list lengths
@@ -269,7 +275,7 @@ class AdmissionRules:
         if batch_size is not None:
             # SGLang pairs the first batch_size flags and params with the items; extra ones
             # are never read.
-            n_items = max(batch_size, 1)
+            n_items = batch_size
         else:
             n_items = max(1, len(param_list), 1 if broadcast else len(flags))
         for i in range(n_items):

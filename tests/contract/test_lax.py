@@ -152,17 +152,30 @@ def test_plain_int_none_passes_through() -> None:
     assert plain_int(None, "top_k") is None
 
 
-# --- is_greedy (0 <= temperature < 1e-6, real numbers only) --------------------------------------
+# --- is_greedy (0 <= temperature < 1e-6; a bool is its number, as SGLang compares it) -------------
 
-GREEDY = [0, 0.0, -0.0, 5e-7, 1e-7, 9.99e-7]
-NOT_GREEDY = [1e-6, 2e-6, -0.1, -1e-9, 1, 0.7, True, False, "0", "0.0", None, [], [0], {}]
+GREEDY = [0, 0.0, -0.0, 5e-7, 1e-7, 9.99e-7, False]
+NOT_GREEDY = [1e-6, 2e-6, -0.1, -1e-9, 1, 0.7, True, "0", "0.0", None, [], [0], {}]
+LAX_GREEDY = ["0", "0.0", " 0 ", "5e-7", "-0"]
+LAX_NOT_GREEDY = ["1e-6", "0.5", "zero", "", "0x0"]
 
 
 @pytest.mark.parametrize("temperature", GREEDY, ids=_ids(GREEDY))
 def test_is_greedy(temperature: object) -> None:
     assert is_greedy(temperature) is True
+    assert is_greedy(temperature, lax=True) is True
 
 
 @pytest.mark.parametrize("temperature", NOT_GREEDY, ids=_ids(NOT_GREEDY))
 def test_is_not_greedy(temperature: object) -> None:
     assert is_greedy(temperature) is False
+
+
+@pytest.mark.parametrize("temperature", LAX_GREEDY, ids=_ids(LAX_GREEDY))
+def test_pydantic_reads_numeric_strings_as_numbers(temperature: str) -> None:
+    assert is_greedy(temperature, lax=True) is True
+
+
+@pytest.mark.parametrize("temperature", LAX_NOT_GREEDY, ids=_ids(LAX_NOT_GREEDY))
+def test_lax_non_greedy_strings(temperature: str) -> None:
+    assert is_greedy(temperature, lax=True) is False

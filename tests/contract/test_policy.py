@@ -485,7 +485,7 @@ CHAT = [
     pytest.param(chat_mask(temperature=" 0.0 "), None, id="temperature-str-0.0-spaces"),
     pytest.param(chat_mask(temperature="0.5"), MASK, id="temperature-str-0.5"),
     pytest.param(chat_mask(temperature="hot"), MASK, id="temperature-str-word"),
-    pytest.param(chat_mask(temperature=False), MASK, id="temperature-false-stricter"),
+    pytest.param(chat_mask(temperature=False), None, id="temperature-false-is-0.0"),
     # pydantic's lax integers: whitespace, underscores and a zero fraction.
     pytest.param(chat_mask(top_k=" 5"), None, id="top_k-str-leading-space"),
     pytest.param(chat_mask(top_k="5 \n"), None, id="top_k-str-trailing-space"),

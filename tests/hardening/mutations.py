@@ -397,6 +397,13 @@ MUTATIONS = [
         "                pass",
         ["tests/fleet/test_capability.py"],
     ),
+    (
+        "0.5.20+ profile forgets its cap",
+        "gateway/contract/profiles.py",
+        "                if not (k == 1 or 1 < k <= cap):",
+        "                if not (k == 1 or 1 < k):",
+        ["tests/real_sglang/test_real_sglang.py", "tests/contract/test_profiles.py"],
+    ),
 ]
 
 
