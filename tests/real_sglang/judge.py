@@ -12,7 +12,11 @@ release's `scheduler.py` source: the `if` blocks of `handle_generate_request` th
 `return_sampling_mask`, run with a request built from the real SamplingParams. No GPU, no
 model, no network. The placeholders live only in this process.
 
-Input lines: {"body": <base64>}. Output lines, one per input:
+Chat bodies (`{"chat": true, ...}`) go through the release's ChatCompletionRequest (pydantic,
+lax), its serving layer's `_validate_request`, the streaming checks of the conversion to an
+internal request (read from serving_chat.py), `to_sampling_params`, and the same admission.
+
+Input lines: {"body": <base64>, "chat": bool}. Output lines, one per input:
   {"verdict": "invalid", "why": ...}   SGLang refuses the body before any admission
   {"verdict": "refused", "why": msg}   the scheduler's mask admission refuses an item
   {"verdict": "served", "masks": [top_k of each mask item]}
@@ -47,6 +51,7 @@ _STUBBED = (
     "sglang.srt.speculative",
     "sglang.srt.disaggregation",
     "sglang.srt.utils.hf_transformers_patches",  # patches transformers, absent here
+    "sglang.srt.function_call",  # tool-call parsers: chat requests here carry no tools
 )
 
 
@@ -215,21 +220,28 @@ def main() -> None:
     admission = scope["admission"]
     backend = Backend()
 
+    chat = _Chat(root)
+
+    def run(item: Any, mask: bool, params: dict[str, Any]) -> list[int]:
+        """One item through SamplingParams and the scheduler's checks; its mask's top_k."""
+        sp = sampling.SamplingParams(**params)
+        sp.normalize(None)
+        sp.verify(32000)
+        admission(backend, Req(sp, mask))
+        return [sp.top_k] if mask else []
+
     for line in sys.stdin:
-        body = base64.b64decode(json.loads(line)["body"])
-        print(json.dumps(_judge(body, adapter, sampling, admission, backend, Req, Refused)))
+        sent = json.loads(line)
+        body = base64.b64decode(sent["body"])
+        if sent.get("chat"):
+            verdict = chat.judge(body, run, Refused)
+        else:
+            verdict = _judge(body, adapter, run, Refused)
+        print(json.dumps(verdict))
         sys.stdout.flush()
 
 
-def _judge(
-    body: bytes,
-    adapter: Any,
-    sampling: Any,
-    admission: Any,
-    backend: Any,
-    req_type: Any,
-    refused: type[Exception],
-) -> dict[str, Any]:
+def _judge(body: bytes, adapter: Any, run: Any, refused: type[Exception]) -> dict[str, Any]:
     import orjson
     from pydantic import ValidationError
 
@@ -245,21 +257,101 @@ def _judge(
         items = [obj] if obj.is_single else [obj[i] for i in range(obj.batch_size)]
         masks = []
         for item in items:
-            params = sampling.SamplingParams(**(item.sampling_params or {}))
-            params.normalize(None)
-            params.verify(32000)
-            mask = bool(item.return_sampling_mask)
-            try:
-                admission(backend, req_type(params, mask))
-            except refused as exc:
-                return {"verdict": "refused", "why": str(exc)}
-            if mask:
-                masks.append(params.top_k)
+            masks += run(item, bool(item.return_sampling_mask), item.sampling_params or {})
+    except refused as exc:
+        return {"verdict": "refused", "why": str(exc)}
     except ValidationError as exc:
         return {"verdict": "invalid", "why": f"validation: {exc.errors()[0]['type']}"}
     except (ValueError, TypeError, AttributeError, KeyError, IndexError) as exc:
         return {"verdict": "invalid", "why": f"{type(exc).__name__}: {str(exc)[:120]}"}
     return {"verdict": "served", "masks": masks}
+
+
+class _Nothing:
+    """A serving-layer setting this test does not set: off, empty, absent."""
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return None
+
+    def __iter__(self) -> Any:
+        return iter(())
+
+    def __getattr__(self, name: str) -> Any:
+        return _Nothing()
+
+
+class _Serving:
+    """What the chat serving layer's checks read of `self`: a plain text model with no
+    tools, parsers or special model handling; anything else reads as off."""
+
+    def __init__(self) -> None:
+        server = types.SimpleNamespace(context_length=32768, allow_auto_truncate=False)
+        self.tokenizer_manager = types.SimpleNamespace(
+            server_args=server, model_config=types.SimpleNamespace(is_multimodal=False)
+        )
+
+    @staticmethod
+    def _effective_tools(request: Any) -> list[Any]:
+        return list(request.tools or [])
+
+    def __getattr__(self, name: str) -> Any:
+        return _Nothing()
+
+
+class _Chat:
+    """The release's chat route, as far as it decides whether a request is served."""
+
+    def __init__(self, root: Path) -> None:
+        protocol = importlib.import_module("sglang.srt.entrypoints.openai.protocol")
+        serving = importlib.import_module("sglang.srt.entrypoints.openai.serving_chat")
+        self.request_type = protocol.ChatCompletionRequest
+        if hasattr(serving, "get_model"):
+            # Later releases read the model's settings from a process-wide context that
+            # only a running server publishes.
+            model = types.SimpleNamespace(context_length=32768, is_multimodal=False)
+            serving.get_model = lambda: model
+        self.validate = serving.OpenAIServingChat._validate_request
+        self.serving = _Serving()
+        self.streaming = self._streaming_checks(root / "sglang/srt/entrypoints/openai")
+
+    @staticmethod
+    def _streaming_checks(folder: Path) -> Any:
+        tree = ast.parse((folder / "serving_chat.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and ast.unparse(node.test) == "request.stream":
+                text = ast.unparse(node)
+                if "return_meta_info is not supported with streaming" in text:
+                    scope: dict[str, Any] = {}
+                    source = "def check(request):\n" + textwrap.indent(text, "    ")
+                    exec(source, scope)
+                    return scope["check"]
+        raise SystemExit("no streaming checks found in serving_chat.py")
+
+    def judge(self, body: bytes, run: Any, refused: type[Exception]) -> dict[str, Any]:
+        import orjson
+        from pydantic import ValidationError
+
+        try:
+            request = self.request_type.model_validate(orjson.loads(body))
+        except (ValidationError, orjson.JSONDecodeError, TypeError) as exc:
+            return {"verdict": "invalid", "why": f"request: {type(exc).__name__}"}
+        try:
+            error = self.validate(self.serving, request)
+            if error is not None:
+                # A mask rule of the serving layer (return_meta_info) refuses the mask.
+                kind = "refused" if error.startswith("return_sampling_mask") else "invalid"
+                return {"verdict": kind, "why": error}
+            self.streaming(request)
+            params = request.to_sampling_params(stop=[], model_generation_config={})
+            masks = run(request, bool(request.return_sampling_mask), params)
+        except refused as exc:
+            return {"verdict": "refused", "why": str(exc)}
+        except (ValueError, TypeError, AttributeError, KeyError, IndexError) as exc:
+            return {"verdict": "invalid", "why": f"{type(exc).__name__}: {str(exc)[:120]}"}
+        return {"verdict": "served", "masks": masks}
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The gateway's admission against SGLang's own code, release by release.
 
-Every generated `/generate` body is judged twice: by the gateway (inspect_body, then the
+Every generated `/generate` and chat body is judged twice: by the gateway (inspect_body, then the
 release's profile) and by the released SGLang itself (tests/real_sglang/judge.py: the wheel's
 request models, batch split, SamplingParams and the scheduler's mask admission, in a process
 of its own). Counted per release:
@@ -66,8 +66,17 @@ FAIL_CLOSED: dict[str, Any] = {
 }
 
 
-def _bodies() -> list[bytes]:
-    found: list[bytes] = []
+_KINDS = {
+    "/generate": Kind.GENERATE,
+    "/%67enerate": Kind.GENERATE,
+    "/generate/": Kind.GENERATE,
+    "/v1/chat/completions": Kind.CHAT,
+    "/invocations": Kind.CHAT,
+}
+
+
+def _bodies() -> list[tuple[Kind, bytes]]:
+    found: list[tuple[Kind, bytes]] = []
 
     @settings(
         max_examples=BODIES,
@@ -80,20 +89,25 @@ def _bodies() -> list[bytes]:
     @seed(20261201)  # the same bodies on every checkout
     def collect(case: tuple[str, bytes]) -> None:
         path, body = case
-        if path in ("/generate", "/%67enerate", "/generate/"):
-            found.append(body)
+        if path in _KINDS:
+            found.append((_KINDS[path], body))
 
     collect()
     return found
 
 
 @pytest.fixture(scope="module")
-def bodies() -> list[bytes]:
+def bodies() -> list[tuple[Kind, bytes]]:
     return _bodies()
 
 
-def _judge(root: Path, cap: int | None, bodies: list[bytes]) -> Iterator[dict[str, Any]]:
-    lines = "".join(json.dumps({"body": base64.b64encode(b).decode()}) + "\n" for b in bodies)
+def _judge(
+    root: Path, cap: int | None, bodies: list[tuple[Kind, bytes]]
+) -> Iterator[dict[str, Any]]:
+    lines = "".join(
+        json.dumps({"body": base64.b64encode(b).decode(), "chat": kind is Kind.CHAT}) + "\n"
+        for kind, b in bodies
+    )
     args = [sys.executable, str(JUDGE), str(root)] + ([str(cap)] if cap else [])
     done = subprocess.run(
         args, input=lines, capture_output=True, text=True, timeout=600, check=False
@@ -115,17 +129,18 @@ def _release(version: str) -> Path:
 
 @pytest.mark.parametrize(("version", "cap", "profile"), RELEASES, ids=str)
 def test_the_gateway_admits_exactly_what_the_release_serves(
-    bodies: list[bytes], version: str, cap: int | None, profile: MaskProfile
+    bodies: list[tuple[Kind, bytes]], version: str, cap: int | None, profile: MaskProfile
 ) -> None:
     root = _release(version)
     rules = AdmissionRules()
     counts: Counter[str] = Counter()
     unjustified: Counter[str] = Counter()
     examples: dict[str, bytes] = {}
-    for body, real in zip(bodies, _judge(root, cap, bodies), strict=True):
+    for (kind, body), real in zip(bodies, _judge(root, cap, bodies), strict=True):
         counts["bodies"] += 1
+        counts[f"{kind.name.lower()} {real['verdict']}"] += 1
         counts[real["verdict"]] += 1
-        mine = resolve(inspect_body(Kind.GENERATE, body, rules), profile)
+        mine = resolve(inspect_body(kind, body, rules), profile)
         if real["verdict"] == "served":
             masks = real["masks"]
             counts["served with a mask"] += bool(masks)
