@@ -321,14 +321,14 @@ class AdmissionRules:
         # merged by the SDK); a literal "sampling_params" or "extra_body" key is ignored
         # by SGLang and so by the gateway.
         mask_on = bool(lax_bool(body.get("return_sampling_mask"), "return_sampling_mask"))
-        rejection = self._check_item(body, items, mask_on=mask_on, generate=False)
-        if rejection is not None or not mask_on or not chat:
-            return rejection
-        if not lax_bool(body.get("return_meta_info"), "return_meta_info"):
-            return Rejection(400, SAMPLING_MASK, "missing_meta_info", META_INFO_MESSAGE)
-        if lax_bool(body.get("stream"), "stream"):
-            return Rejection(400, SAMPLING_MASK, "stream_meta_info", STREAM_META_INFO_MESSAGE)
-        return None
+        if mask_on and chat:
+            # SGLang's chat serving layer checks these before the sampling params and the
+            # scheduler's admission, so its answer names them first.
+            if not lax_bool(body.get("return_meta_info"), "return_meta_info"):
+                return Rejection(400, SAMPLING_MASK, "missing_meta_info", META_INFO_MESSAGE)
+            if lax_bool(body.get("stream"), "stream"):
+                return Rejection(400, SAMPLING_MASK, "stream_meta_info", STREAM_META_INFO_MESSAGE)
+        return self._check_item(body, items, mask_on=mask_on, generate=False)
 
     # -- one item ----------------------------------------------------------------------
 
@@ -359,7 +359,9 @@ class AdmissionRules:
                 return bad
         if mask_on:
             normal = TOP_K_ALL if k is None or k == -1 else k
-            items.append(MaskItem(normal, _below_one(params.get("top_p"))))
+            raw = params.get("top_k")
+            shown = raw if generate and isinstance(raw, float) and normal == raw else None
+            items.append(MaskItem(normal, _below_one(params.get("top_p")), shown))
         return None
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from gateway.contract.lax import TOP_K_ALL
@@ -52,6 +52,9 @@ class MaskItem:
 
     top_k: int  # TOP_K_ALL (or above) when unbounded; 1 for a greedy item
     top_p_below_one: bool  # a real number below 1 (anything else counts as 1: stricter)
+    # top_k as SGLang holds it, for messages that print it: /generate keeps a float as sent
+    # (1024.0), where the gateway reads 1024.
+    shown: int | float | None = field(default=None, compare=False)
 
     @property
     def unbounded(self) -> bool:
@@ -96,7 +99,8 @@ class MaskProfile:
             case Family.CAPPED:
                 if not (k == 1 or 1 < k <= cap):
                     reason = "unbounded_top_k" if item.unbounded else "top_k_above_cap"
-                    return reason, CAP_MESSAGE.format(cap=cap, top_k=k)
+                    shown = k if item.shown is None else item.shown
+                    return reason, CAP_MESSAGE.format(cap=cap, top_k=shown)
             case Family.STRICT:
                 if item.unbounded:
                     return "unbounded_top_k", FINITE_TOP_K_MESSAGE

@@ -65,7 +65,11 @@ async def post(
             {"model": "m", "messages": [], "return_sampling_mask": True, "return_meta_info": True},
             "openai",
         ),
-        ("/invocations", {"messages": [], "return_sampling_mask": "on"}, "openai"),
+        (
+            "/invocations",
+            {"messages": [], "return_sampling_mask": "on", "return_meta_info": True},
+            "openai",
+        ),
         ("/v1/responses", {"input": "x", "return_sampling_mask": True}, "openai"),
         ("/%67enerate", {"text": "x", "return_sampling_mask": True}, "generate"),
         ("/generate/", {"text": "x", "return_sampling_mask": True}, "generate"),

@@ -56,6 +56,8 @@ UNREADABLE = {
     "whitespace only": b" \n ",
 }
 
+META = {"return_meta_info": True}
+
 
 def _vmrss_kib() -> int:
     with open("/proc/self/status") as f:
@@ -148,10 +150,12 @@ async def test_identity_encoding_and_utf8_charsets_pass(
         ("POST", "/%67%65%6e%65%72%61%74%65", {"text": "x", "return_sampling_mask": True}),
         ("POST", "/generate%2F", {"text": "x", "return_sampling_mask": True}),
         ("PUT", "/generate/", {"text": "x", "return_sampling_mask": True}),
-        ("POST", "/v1/chat/completions", {"messages": [], "return_sampling_mask": "yes"}),
-        ("POST", "/v1/chat/completions/", {"messages": [], "return_sampling_mask": "yes"}),
-        ("POST", "/v1/chat/%63ompletions", {"messages": [], "return_sampling_mask": "yes"}),
-        ("POST", "/invocations", {"messages": [], "return_sampling_mask": 1}),
+        # Chat asks for return_meta_info first (as SGLang's serving layer does): set it, so
+        # that the top_k rule is what refuses.
+        ("POST", "/v1/chat/completions", {"messages": [], "return_sampling_mask": "yes"} | META),
+        ("POST", "/v1/chat/completions/", {"messages": [], "return_sampling_mask": "yes"} | META),
+        ("POST", "/v1/chat/%63ompletions", {"messages": [], "return_sampling_mask": "yes"} | META),
+        ("POST", "/invocations", {"messages": [], "return_sampling_mask": 1} | META),
         ("POST", "/v1/completions", {"prompt": "x", "return_sampling_mask": True}),
         ("POST", "/v1/responses", {"input": "x", "return_sampling_mask": True}),
         ("POST", "/vertex_generate", {"instances": [{"text": "x"}], "parameters": {}}),
