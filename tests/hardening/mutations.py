@@ -50,8 +50,8 @@ MUTATIONS = [
     (
         "greedy shortcut removed (over-refusal)",
         "gateway/contract/policy.py",
-        'if is_greedy(params.get("temperature")) and not',
-        'if False and is_greedy(params.get("temperature")) and not',
+        'if greedy and not (generate and params.get("is_normalized")):',
+        'if False and greedy and not (generate and params.get("is_normalized")):',
         ["tests/hardening/test_differential.py", "tests/hardening/test_corpus.py"],
     ),
     (
