@@ -58,9 +58,9 @@ class Rejection:
 class MaskDemand:
     """A body that asks for sampling masks: whether it is served depends on the backend.
 
-    `items` are the mask items in the order SGLang checks them; `then` is what the body
-    runs into after them (a refusal every release makes, such as a bad top_k in a later
-    item), or None. Each backend's profile judges the items alone.
+    `items` are the mask items in the order SGLang's scheduler checks them; each backend's
+    profile judges them. `then` (a refusal after them) stays None from `assess`, which
+    answers a refusal every release makes before any profile is asked.
     """
 
     items: tuple[MaskItem, ...]
@@ -221,7 +221,11 @@ class AdmissionRules:
                     assert_never(kind)
         except Invalid as exc:
             then = _invalid(exc)
-        return MaskDemand(tuple(items), then) if items else then
+        if then is not None or not items:
+            # SGLang validates every item's parameters before its scheduler judges any mask,
+            # so a refusal every release makes comes first.
+            return then
+        return MaskDemand(tuple(items))
 
     # -- /generate -------------------------------------------------------------------
 
@@ -295,6 +299,8 @@ class AdmissionRules:
         instances = body.get("instances")
         if not isinstance(instances, list):
             raise Invalid("instances", "Input should be a valid list")
+        if not instances:
+            return None  # SGLang answers [] without running anything
         if not all(isinstance(instance, dict) for instance in instances):
             raise Invalid("instances", "Input should be a list of objects")
         parameters = body.get("parameters")

@@ -279,7 +279,11 @@ class Proxy:
             if isinstance(verdict, MaskDemand):
                 admission = Admission(verdict)
                 pool, now = self._pool, self._pool.now()
-                rejection = admission.edge_refusal(pool.backends, lambda b: pool.routable(b, now))
+                rejection = admission.edge_refusal(
+                    pool.backends,
+                    lambda b: pool.routable(b, now),
+                    _fits(self._wanted_version(request, settings), None),
+                )
             else:
                 rejection = verdict
             if rejection is not None:
@@ -310,6 +314,14 @@ class Proxy:
             rids=rids,
             admission=admission,
         )
+
+    def _wanted_version(self, request: web.BaseRequest, settings: ProxySettings) -> str | None:
+        """The weight version a request must be served by: its own X-Weight-Version, or
+        the latest installed with routing.weight_version: latest; None: any."""
+        version = request.headers.get(WEIGHT_VERSION)
+        if version is None and settings.latest_weights:
+            version = self._pool.latest_version
+        return version
 
     def _authenticate(
         self,
@@ -628,10 +640,7 @@ class Proxy:
         )
         data = body if request.body_exists else None
         key = request.headers.get(settings.hash_header) if settings.hash_header else None
-        version = request.headers.get(WEIGHT_VERSION)
-        if version is None and settings.latest_weights:
-            version = self._pool.latest_version
-        fits = _fits(version, admission)
+        fits = _fits(self._wanted_version(request, settings), admission)
         tried: list[Backend] = []
         saturated = False
         while len(tried) < settings.attempts:

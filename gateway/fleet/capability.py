@@ -38,11 +38,15 @@ class Admission:
         return self.verdict(backend) is None
 
     def edge_refusal(
-        self, backends: Sequence[Backend], routable: Callable[[Backend], bool]
+        self,
+        backends: Sequence[Backend],
+        routable: Callable[[Backend], bool],
+        wanted: Callable[[Backend], bool] | None = None,
     ) -> Rejection | None:
         """None when some member admits the request (it waits for that one if it is busy or
-        paused); else the refusal of the routable member closest to admitting it."""
-        members = [b for b in backends if not b.removed]
+        paused); else the refusal of the routable member closest to admitting it. `wanted`:
+        what else the request needs (the weights it asks for): only those members count."""
+        members = [b for b in backends if not b.removed and (wanted is None or wanted(b))]
         if not members or any(self.fits(b) for b in members):
             return None
         candidates = [b for b in members if routable(b)] or members

@@ -82,6 +82,8 @@ class HealthChecker:
             log.warning("health probe of %s: %s", backend.url, result.why)
         elif result.ok:
             restarted = backend.health is Health.UNHEALTHY  # it may run another release now
+            if restarted:
+                self._pool.forget(backend)  # the strictest profile until it says again
             self._pool.probe_ok(backend)
             read_at = backend.info_read_at
             if (

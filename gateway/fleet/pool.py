@@ -185,6 +185,12 @@ class BackendPool:
             b.server_info = info
             self._reprofile()
 
+    def forget(self, b: Backend) -> None:
+        """What `b` said about itself may be stale (it restarted): ask again."""
+        b.server_info = None
+        b.info_read_at = None
+        self._reprofile()
+
     def _reprofile(self) -> None:
         # A backend of unknown release gets every known rule at once, with the smallest cap
         # any member runs: it may be any of them.

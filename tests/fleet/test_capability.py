@@ -24,6 +24,7 @@ from gateway.contract.profiles import (
     FINITE_TOP_K_MESSAGE,
     SPECULATIVE_MESSAGE,
 )
+from gateway.fleet.pool import Health
 from gateway.testing.stub import StubBackend
 from tests.conftest import GatewayFactory, admin_url, gw_url, proxied, wait_for
 
@@ -217,3 +218,41 @@ async def test_a_pinned_profile_applies_to_every_backend(
     assert gw.pool.backends[0].profile.name == "capped:8"
     ((status, out),) = await _send(gw, _mask(9))
     assert status == 400 and out["error"]["message"] == CAP_MESSAGE.format(cap=8, top_k=9)
+
+
+async def test_the_weights_asked_for_and_the_mask_both_decide(
+    fleet: list[StubBackend], make_gateway: GatewayFactory
+) -> None:
+    v19, capped, spec = fleet
+    v19.weight_version, capped.weight_version, spec.weight_version = "v2", "v2", "v1"
+    gw = await _learnt(make_gateway, *(e.url for e in fleet))
+    await wait_for(lambda: all(b.weight_version for b in gw.pool.backends))
+    # v2 runs on 0.5.19 and on the capped one: top_k 100 only on 0.5.19.
+    got = await _send(gw, _mask(100), 10, **{"X-Weight-Version": "v2"})
+    assert {(s, out["meta_info"]["weight_version"]) for s, out in got} == {(200, "v2")}
+    assert _served(fleet) == [10, 0, 0]
+    # v1 runs only under speculative decoding: refused at the edge, in its words.
+    ((status, out),) = await _send(gw, _mask(5), **{"X-Weight-Version": "v1"})
+    assert status == 400 and out["error"]["message"] == SPECULATIVE_MESSAGE
+
+
+async def test_a_restarted_backend_is_asked_again_what_it_runs(
+    make_gateway: GatewayFactory,
+) -> None:
+    engine = StubBackend(version="0.5.18")
+    await engine.start()
+    try:
+        gw = await _learnt(make_gateway, engine.url, backends={"health": {"interval_s": 0.05}})
+        (backend,) = gw.pool.backends
+        assert backend.profile.name == "top_p_or_top_k"
+        engine.health_status = 503  # down, then back as another release
+        await wait_for(lambda: backend.health is Health.UNHEALTHY, timeout=10)
+        engine.version, engine.sampling_mask_max_tokens = "0.5.23", 32
+        engine.server_info_status = 500  # and it does not say so at first
+        engine.health_status = 200
+        await wait_for(lambda: backend.health is Health.HEALTHY, timeout=10)
+        assert backend.profile.name == "strict:4096"  # not the release it ran before
+        ((status, _),) = await _send(gw, _mask(None, top_p=0.5))  # 0.5.18 served this
+        assert status == 400
+    finally:
+        await engine.stop()

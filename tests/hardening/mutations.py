@@ -404,6 +404,20 @@ MUTATIONS = [
         "                if not (k == 1 or 1 < k):",
         ["tests/real_sglang/test_real_sglang.py", "tests/contract/test_profiles.py"],
     ),
+    (
+        "a mask request asking for weights ignores its mask",
+        "gateway/edge/proxy.py",
+        "    return lambda b: b.weight_version == version and admission.fits(b)",
+        "    return lambda b: b.weight_version == version",
+        ["tests/fleet/test_capability.py"],
+    ),
+    (
+        "a restarted backend keeps the release it ran before",
+        "gateway/fleet/health.py",
+        "                self._pool.forget(backend)  # the strictest profile until it says again",
+        "                pass",
+        ["tests/fleet/test_capability.py"],
+    ),
 ]
 
 

@@ -60,7 +60,7 @@ FAIL_CLOSED: dict[str, Any] = {
     "unbounded_top_k_and_top_p": lambda masks: any(k >= TOP_K_ALL for k in masks),
     # A top_k SGLang does not read as an integer (5.5: SamplingParams keeps the float and
     # the sampler would fail on it): the gateway's plain reading refuses it.
-    "invalid_field": lambda masks: True,
+    "invalid_field": lambda masks: any(isinstance(k, float) and not k.is_integer() for k in masks),
     # n above policy.max_parallel_samples: SGLang allocates batch x n state up front.
     "n_too_large": lambda masks: True,
 }

@@ -145,6 +145,7 @@ class StubBackend:
         self.health_status = health_status
         # SGLang's /health runs a one-token generation: a hung engine's probe hangs too.
         self.health_delay_s = health_delay_s
+        self.server_info_status = 200  # anything else: /server_info fails with it
         self.idle_close_s = idle_close_s
         # The requests seen, newest last. A long-lived stub (compose, the CLI) keeps only the
         # last `keep`, each body cut to `keep_body_bytes`; tests keep everything.
@@ -663,6 +664,8 @@ class StubBackend:
         return Release(self.version, self.sampling_mask_max_tokens, self.speculative_algorithm)
 
     async def _server_info(self, request: web.Request) -> web.StreamResponse:
+        if self.server_info_status != 200:
+            return json_response({"detail": "scripted"}, self.server_info_status)
         cap = {"sampling_mask_max_tokens": self.sampling_mask_max_tokens}
         return json_response(
             (cap if self.release.patch >= 20 else {})
