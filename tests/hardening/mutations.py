@@ -386,8 +386,8 @@ MUTATIONS = [
     (
         "mask requests routed to any backend, whatever its profile admits",
         "gateway/edge/proxy.py",
-        "        fits = _fits(version, admission)",
-        "        fits = _fits(version, None)",
+        "        fits = _fits(self._wanted_version(request, settings), admission)",
+        "        fits = _fits(self._wanted_version(request, settings), None)",
         ["tests/fleet/test_capability.py"],
     ),
     (
