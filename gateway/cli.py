@@ -14,8 +14,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from gateway import build, runtime
 from gateway import config as config_mod
-from gateway import runtime
 from gateway.config import ConfigError, GatewayConfig
 from gateway.edge.aio import check_runtime
 from gateway.runtime import setup_logging, tune_malloc
@@ -33,6 +33,7 @@ def _parser() -> argparse.ArgumentParser:
         "forwards everything else byte for byte. Subcommands: 'demo' (stub + gateway), "
         "'stub' (the bundled SGLang-compatible stub backend).",
     )
+    p.add_argument("--version", action="version", version=build.describe())
     p.add_argument("--config", metavar="FILE", help="YAML config file (see config/)")
     p.add_argument(
         "--backend",

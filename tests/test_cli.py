@@ -7,6 +7,7 @@ import os
 import re
 import signal
 from collections.abc import AsyncIterator
+from importlib import metadata
 from pathlib import Path
 
 import aiohttp
@@ -197,3 +198,17 @@ async def test_sighup_reloads_the_config_file(stub: StubBackend, tmp_path: Path)
     finally:
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), timeout=10) == 0
+
+
+async def test_version_names_the_release_revision_and_runtime() -> None:
+    env = {**os.environ, "SGLANG_GATEWAY_REVISION": "abc1234"}
+    proc = await spawn("gateway", "--version", stdout=asyncio.subprocess.PIPE, env=env)
+    out, _ = await proc.communicate()
+    assert proc.returncode == 0
+    line = out.decode().strip()
+    version = metadata.version("sglang-gateway")
+    assert re.fullmatch(
+        rf"sglang-gateway {re.escape(version)} \(revision abc1234; Python \d+\.\d+\.\d+, "
+        rf"aiohttp {re.escape(metadata.version('aiohttp'))}\)",
+        line,
+    ), line

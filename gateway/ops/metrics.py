@@ -28,6 +28,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from gateway import build
 from gateway.contract.replies import Outcome
 from gateway.fleet.pool import BackendPool, Health
 from gateway.ops.observe import Exchange
@@ -421,6 +422,13 @@ class FleetCollector(Collector):
         yield GaugeMetricFamily(
             p + "draining", "1 while shutting down.", value=1.0 if self._gw.draining else 0.0
         )
+        info = GaugeMetricFamily(
+            p + "build_info",
+            "1, labelled with the gateway's version, source revision, Python and aiohttp.",
+            labels=["version", "revision", "python", "aiohttp"],
+        )
+        info.add_metric([build.VERSION, build.REVISION, build.PYTHON, build.AIOHTTP], 1.0)
+        yield info
         refused = CounterMetricFamily(
             p + "malformed_requests",
             "Requests the HTTP parser refused before routing (bad request line or headers, "

@@ -6,10 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import platform
 import re
 import signal
 import time
 from collections.abc import AsyncIterator, Iterator
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -768,3 +771,12 @@ async def test_cli_access_log_does_not_depend_on_log_level(
                 assert r.status == 200
     lines = out_path.read_text().splitlines()
     assert [orjson.loads(line)["request_id"] for line in lines] == ["lvl-1", "lvl-2"]
+
+
+async def test_build_info_names_what_runs(gateway: Gateway, session: aiohttp.ClientSession) -> None:
+    _, m = await scrape(session, gateway)
+    (labels,) = [dict(k[1]) for k in m if k[0] == "sglang_gateway_build_info"]
+    assert labels["version"] == metadata.version("sglang-gateway")
+    assert labels["aiohttp"] == metadata.version("aiohttp")
+    assert labels["python"] == platform.python_version()
+    assert labels["revision"] == os.environ.get("SGLANG_GATEWAY_REVISION", "unknown")
