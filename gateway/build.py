@@ -20,7 +20,8 @@ def _version(package: str) -> str:
         return "0.0.0+unknown"
 
 
-VERSION: Final = _version("sglang-gateway")
+NAME: Final = "sglang-gateway"  # also the Server header of both listeners
+VERSION: Final = _version(NAME)
 REVISION: Final = os.environ.get("SGLANG_GATEWAY_REVISION") or "unknown"
 PYTHON: Final = platform.python_version()
 AIOHTTP: Final = _version("aiohttp")

@@ -13,6 +13,8 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Final
 
+from gateway import build
+
 HOP_BY_HOP: Final = frozenset(
     {
         "connection",
@@ -43,7 +45,7 @@ REQUEST_ID: Final = "X-Request-Id"
 WEIGHT_VERSION: Final = "X-Weight-Version"  # the serving backend's weights, on replies
 # On the gateway's own replies, and on relayed ones whose backend named no server: aiohttp
 # would otherwise announce itself with its and Python's versions.
-SERVER: Final = ("Server", "sglang-gateway")
+SERVER: Final = ("Server", build.NAME)
 # A client-chosen id is kept only if it is short and plain, since it lands in logs and headers.
 _REQUEST_ID_OK: Final = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}\Z")
 

@@ -12,6 +12,8 @@ from typing import TypeVar
 
 from aiohttp import web
 
+from gateway import build
+
 T = TypeVar("T")
 # Plain callables in a gateway; coroutines in the --workers supervisor, which asks workers.
 Source = Callable[[], T | Awaitable[T]]
@@ -42,7 +44,12 @@ def make_admin_app(
         resp.headers["Content-Type"] = content_type
         return resp
 
+    async def announce(_: web.Request, response: web.StreamResponse) -> None:
+        # The main listener's name, not aiohttp's name and version.
+        response.headers["Server"] = build.NAME
+
     app = web.Application()
+    app.on_response_prepare.append(announce)
     app.router.add_get("/livez", livez)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_handler)

@@ -780,3 +780,11 @@ async def test_build_info_names_what_runs(gateway: Gateway, session: aiohttp.Cli
     assert labels["aiohttp"] == metadata.version("aiohttp")
     assert labels["python"] == platform.python_version()
     assert labels["revision"] == os.environ.get("SGLANG_GATEWAY_REVISION", "unknown")
+
+
+async def test_the_admin_listener_announces_the_gateway(
+    gateway: Gateway, session: aiohttp.ClientSession
+) -> None:
+    for path in ("/livez", "/readyz", "/metrics", "/nope"):
+        async with session.get(admin_url(gateway, path)) as r:
+            assert r.headers["Server"] == "sglang-gateway", path
