@@ -11,7 +11,14 @@ from __future__ import annotations
 from typing import Final
 
 from gateway.contract.inspection import ORJSON_SENSITIVE, may_hold_mask_key, parse_object
-from gateway.contract.policy import SHAPE_ONLY, AdmissionRules, MaskDemand, Rejection, request_ids
+from gateway.contract.policy import (
+    READS,
+    SHAPE_ONLY,
+    AdmissionRules,
+    MaskDemand,
+    Rejection,
+    request_ids,
+)
 from gateway.contract.routes import Kind
 from gateway.contract.skim import skim
 from gateway.edge.budget import InspectionBudget, TooCostly, parse_cost
@@ -34,8 +41,13 @@ async def inspect_large(
     inspection budget (gateway/edge/budget.py)."""
     if skip_parse_without_key and not may_hold_mask_key(body):
         return None
-    # orjson's own verdict is needed on bodies it may refuse (see ORJSON_SENSITIVE).
-    skimmed = None if ORJSON_SENSITIVE.match(body) else await skim(body, SHAPE_ONLY)
+    # orjson's own verdict is needed on bodies it may refuse (see ORJSON_SENSITIVE). A route
+    # that reads no shape-only field (chat, completions) has nothing to skim: walking a
+    # 1 MB chat body's strings cost ten times its parse.
+    reads = READS[kind]
+    skimmable = reads is None or not SHAPE_ONLY.isdisjoint(reads)
+    sensitive = ORJSON_SENSITIVE.match(body)
+    skimmed = await skim(body, SHAPE_ONLY) if skimmable and not sensitive else None
     cost = parse_cost(skimmed.body if skimmed is not None else body)
     try:
         granted = await budget.acquire(cost, wait_s)
