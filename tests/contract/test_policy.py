@@ -492,6 +492,13 @@ CHAT = [
     pytest.param(chat_mask(top_k="1_000"), None, id="top_k-str-underscore"),
     pytest.param(chat_mask(top_k="-1.0"), MASK, id="top_k-str-minus-1.0"),
     pytest.param(chat(return_sampling_mask=True, temperature=0), META, id="greedy-no-meta"),
+    # SGLang's serving layer asks for return_meta_info before the scheduler sees top_k.
+    pytest.param(chat(return_sampling_mask=True), META, id="unbounded-no-meta-names-meta"),
+    pytest.param(
+        chat(return_sampling_mask=True, stream=True, return_meta_info=True),
+        STREAM,
+        id="unbounded-stream-names-stream",
+    ),
     pytest.param(chat_mask(temperature=0, stream=True), STREAM, id="greedy-stream"),
     # rule 6: no mask, no rule
     pytest.param(chat(), None, id="plain"),
