@@ -76,6 +76,21 @@ class Signals:
         await self.stopped.wait()
 
 
+class Unstoppable:
+    """Runs coroutines that must finish even if their caller is cancelled (a client that
+    went away must not leave half a control action behind), and holds a reference to each
+    until it is done: the loop keeps only weak ones."""
+
+    def __init__(self) -> None:
+        self._running: set[asyncio.Future[Any]] = set()
+
+    async def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        task = asyncio.ensure_future(coro)
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+        return await asyncio.shield(task)
+
+
 async def until_stopped() -> None:
     """Return at SIGTERM or SIGINT."""
     async with Signals() as signals:

@@ -59,12 +59,11 @@ class MaskDemand:
     """A body that asks for sampling masks: whether it is served depends on the backend.
 
     `items` are the mask items in the order SGLang's scheduler checks them; each backend's
-    profile judges them. `then` (a refusal after them) stays None from `assess`, which
-    answers a refusal every release makes before any profile is asked.
+    profile judges them. A refusal every release makes never gets here: `assess` answers it
+    before any profile is asked.
     """
 
     items: tuple[MaskItem, ...]
-    then: Rejection | None = None
 
     def verdict(self, profile: MaskProfile) -> Rejection | None:
         for item in self.items:
@@ -72,7 +71,7 @@ class MaskDemand:
             if refused is not None:
                 reason, message = refused
                 return Rejection(400, SAMPLING_MASK, reason, message, profile=profile.name)
-        return self.then
+        return None
 
 
 def resolve(

@@ -88,6 +88,18 @@ class BackendResult:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class ControlCall:
+    """One control call as every backend receives it, and how long each may take."""
+
+    method: str
+    target: str  # path and query, as the backend gets it
+    headers: list[tuple[str, str]]
+    body: bytes | None
+    connect_s: float
+    timeout_s: float
+
+
 class FanOut:
     """Send one control call to every backend and gather their answers."""
 
@@ -100,54 +112,20 @@ class FanOut:
         key = (route, result)
         self.counts[key] = self.counts.get(key, 0) + 1
 
-    async def call(
-        self,
-        urls: Sequence[str],
-        method: str,
-        target: str,
-        headers: list[tuple[str, str]],
-        body: bytes | None,
-        *,
-        connect_s: float,
-        timeout_s: float,
-    ) -> list[BackendResult]:
-        return list(
-            await asyncio.gather(
-                *(
-                    self._one(
-                        url,
-                        method,
-                        target,
-                        headers,
-                        body,
-                        connect_s=connect_s,
-                        timeout_s=timeout_s,
-                    )
-                    for url in urls
-                )
-            )
-        )
+    async def call(self, urls: Sequence[str], call: ControlCall) -> list[BackendResult]:
+        return list(await asyncio.gather(*(self._one(url, call) for url in urls)))
 
-    async def _one(
-        self,
-        url: str,
-        method: str,
-        target: str,
-        headers: list[tuple[str, str]],
-        body: bytes | None,
-        *,
-        connect_s: float,
-        timeout_s: float,
-    ) -> BackendResult:
+    async def _one(self, url: str, call: ControlCall) -> BackendResult:
+        timeout_s = call.timeout_s
         try:
             async with asyncio.timeout(timeout_s):
                 resp = await self._upstream.request(
                     url,
-                    method,
-                    target,
-                    headers,
-                    body,
-                    connect_s=connect_s,
+                    call.method,
+                    call.target,
+                    call.headers,
+                    call.body,
+                    connect_s=call.connect_s,
                     ttfb_s=timeout_s,
                     total_s=timeout_s,
                 )

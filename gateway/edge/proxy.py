@@ -47,6 +47,7 @@ from gateway.edge.budget import InspectionBudget, parse_cost
 from gateway.edge.control import (
     BackendResult,
     ControlAccess,
+    ControlCall,
     FanOut,
     apply_state,
     log_action,
@@ -66,6 +67,7 @@ from gateway.fleet.membership import Fleet
 from gateway.fleet.pool import Backend, Fit
 from gateway.ops.observe import Exchange, Observer
 from gateway.ops.redact import describe
+from gateway.runtime import Unstoppable
 
 log = logging.getLogger("gateway.edge.proxy")
 
@@ -148,7 +150,7 @@ class Proxy:
         self.inflight = 0
         self.budget = InspectionBudget(settings.max_inspecting)
         self.fanout = FanOut(upstream)
-        self._control_runs: set[asyncio.Future[list[BackendResult]]] = set()
+        self._control_runs = Unstoppable()
         # rid -> the backend serving it, for requests in flight: an abort of a known rid goes
         # to its owner alone.
         self.owners: dict[str, str] = {}
@@ -427,22 +429,19 @@ class Proxy:
             request_id=exchange.request_id,
         )
         exchange.first_byte = time.perf_counter()
+        call = ControlCall(
+            request.method,
+            target,
+            headers,
+            body if request.body_exists else None,
+            connect_s=settings.connect_s,
+            timeout_s=settings.control_timeout,
+        )
         # Run to its end even if the caller goes away: the engines act on the call either
         # way, so what the gateway records of them (and shares) must follow.
-        task = asyncio.ensure_future(
-            self._run_control(
-                urls,
-                request.method,
-                target,
-                headers,
-                body if request.body_exists else None,
-                settings=settings,
-                log_as=(route.path, caller, request.remote),
-            )
+        results = await self._control_runs.run(
+            self._run_control(urls, call, log_as=(route.path, caller, request.remote))
         )
-        self._control_runs.add(task)
-        task.add_done_callback(self._control_runs.discard)
-        results = await asyncio.shield(task)
         ok = all(r.ok for r in results)
         fanout.count(route.path, "ok" if ok else "failed")
         exchange.attempts = len(results)
@@ -463,34 +462,16 @@ class Proxy:
         )
 
     async def _run_control(
-        self,
-        urls: list[str],
-        method: str,
-        target: str,
-        headers: list[tuple[str, str]],
-        body: bytes | None,
-        *,
-        settings: ProxySettings,
-        log_as: tuple[str, str, str | None],
+        self, urls: list[str], call: ControlCall, *, log_as: tuple[str, str, str | None]
     ) -> list[BackendResult]:
         """Fan one control call out, then record and share what it did to the engines."""
-        results = await self.fanout.call(
-            urls,
-            method,
-            target,
-            headers,
-            body,
-            connect_s=settings.connect_s,
-            timeout_s=settings.control_timeout,
-        )
+        results = await self.fanout.call(urls, call)
         log_action(*log_as, results)
         # Shared before the read-back below, which may take a while.
-        await self._fleet.share(apply_state(self._pool, target, body or b"", results))
-        if updated := updated_weights(target, results):
+        await self._fleet.share(apply_state(self._pool, call.target, call.body or b"", results))
+        if updated := updated_weights(call.target, results):
             # The engine's own word on what it now serves, over what the call asked for.
-            read = await self._fleet.confirm_versions(
-                updated, min(settings.control_timeout, _VERSION_READ_S)
-            )
+            read = await self._fleet.confirm_versions(updated, min(call.timeout_s, _VERSION_READ_S))
             await self._fleet.share(read)
         return results
 

@@ -27,6 +27,7 @@ from gateway.fleet.health import HealthChecker, Prober
 from gateway.fleet.pool import Backend, BackendPool, EjectionRules, PoolRules
 from gateway.fleet.registry import WorkerRegistry
 from gateway.fleet.shared import Change, Document, SharedState
+from gateway.runtime import Unstoppable
 
 log = logging.getLogger("gateway.fleet.membership")
 
@@ -68,7 +69,6 @@ class Fleet:
         pinned: MaskProfile | None = None,
     ) -> None:
         self.cfg = cfg
-        self.pinned = pinned
         self._resolver = resolver
         initial = cfg.static if cfg.discovery in ("static", "registry") else ()
         self.pool = BackendPool(initial, make_balancer(cfg), pool_policy(cfg, pinned))
@@ -83,7 +83,7 @@ class Fleet:
         self.shared: SharedState | None = None
         self._follow_task: asyncio.Task[None] | None = None
         self._doc: Document | None = None
-        self._sharing: set[asyncio.Future[None]] = set()
+        self._sharing = Unstoppable()
 
     def _make_discovery(self, cfg: BackendsConfig, clients: FleetClients) -> Discovery:
         if cfg.discovery == "dns":
@@ -142,7 +142,6 @@ class Fleet:
         assert self._clients is not None and self._health is not None
         old = self.cfg
         self.cfg = cfg
-        self.pinned = pinned
         self.pool.reconfigure(make_balancer(cfg), pool_policy(cfg, pinned))
         if cfg.health != old.health:
             await self._health.stop()
@@ -195,10 +194,7 @@ class Fleet:
         a change applied here and never shared would leave the workers apart for good."""
         if self.shared is None or not change:
             return
-        task = asyncio.ensure_future(self.shared.record(change))
-        self._sharing.add(task)
-        task.add_done_callback(self._sharing.discard)
-        await asyncio.shield(task)
+        await self._sharing.run(self.shared.record(change))
 
     async def confirm_versions(self, urls: list[str], timeout_s: float) -> Change:
         """Ask each engine which weights it serves now (its /model_info) and take its

@@ -132,7 +132,6 @@ class SharedState:
         # poll that read the file just before this worker's own change never reverts it.
         self.generation = -1
         self._adopt: Callable[[Document], None] | None = None
-        self.acks_missed = 0  # changes some sibling had not adopted when the wait ended
 
     @classmethod
     def from_env(cls, index: int | None) -> SharedState | None:
@@ -220,7 +219,6 @@ class SharedState:
         deadline = time.monotonic() + ACK_TIMEOUT_S
         while behind := await asyncio.to_thread(self._acked, generation):
             if time.monotonic() >= deadline:
-                self.acks_missed += 1
                 log.warning(
                     "fleet change %d not yet adopted by worker(s) %s after %.1f s",
                     generation,
