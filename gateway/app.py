@@ -33,6 +33,7 @@ from gateway.fleet.discovery import Resolver
 from gateway.fleet.membership import Fleet
 from gateway.fleet.pool import BackendPool
 from gateway.fleet.shared import SharedState
+from gateway.ops import logs
 from gateway.ops.admin import make_admin_app
 from gateway.ops.lifecycle import hold_lifeline, read_reload, watch_mtime
 from gateway.ops.metrics import FleetCollector, Metrics
@@ -210,7 +211,7 @@ class Gateway:
         self.metrics.registry.register(FleetCollector(self))
         observers: list[Observer] = [self.metrics]
         if cfg.logging.access_log:
-            observers.append(AccessLog(cfg.logging.format))
+            observers.append(AccessLog(cfg.logging.format, logs.access_writer()))
         self._upstream = make_upstream(cfg)
         self.proxy = Proxy(proxy_settings(cfg), self._upstream, self.fleet, observers)
 
@@ -342,6 +343,7 @@ class Gateway:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        logs.flush()  # the drained requests' lines, before the process exits
 
 
 async def serve(

@@ -18,7 +18,8 @@ from gateway import build, runtime
 from gateway import config as config_mod
 from gateway.config import ConfigError, GatewayConfig
 from gateway.edge.aio import check_runtime
-from gateway.runtime import setup_logging, tune_malloc
+from gateway.ops import logs
+from gateway.runtime import tune_malloc
 
 EXIT_CONFIG = 2
 _MIN_AIOHTTP = (3, 14, 2)
@@ -106,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem:
         print(f"sglang-gateway: {problem}", file=sys.stderr)
         return 1
-    setup_logging(cfg.logging.level)
+    logs.setup(cfg.logging.level, cfg.logging.format)
     tune_malloc()
     from gateway.app import serve  # noqa: PLC0415 - keeps --check-config light
 

@@ -1,5 +1,5 @@
-"""The process the gateway runs in: its event loop, logging, malloc tuning, waiting for
-signals, and its own resource limits.
+"""The process the gateway runs in: its event loop, malloc tuning, waiting for signals, and
+its own resource limits (logging: gateway/ops/logs.py).
 
 Everything here is about the process, not about requests: the CLI, the demo, the stub and the
 --workers supervisor all start their loop and wait for their signals the same way.
@@ -95,26 +95,6 @@ async def until_stopped() -> None:
     """Return at SIGTERM or SIGINT."""
     async with Signals() as signals:
         await signals.wait()
-
-
-# -- logging ----------------------------------------------------------------------------------
-
-
-def setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    # The access log is one JSON line per request: print it bare, on stdout.
-    access = logging.getLogger("gateway.access")
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    access.addHandler(handler)
-    access.propagate = False
-    # Switched by logging.access_log alone: level "warning" quiets the gateway's own
-    # messages, not the one line per request.
-    access.setLevel(logging.INFO)
 
 
 # -- the process's own limits ----------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import signal
 import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -219,3 +220,41 @@ def process_config(backend_url: str, extra: str = "") -> str:
         "listen: {host: 127.0.0.1, port: 0}\nadmin: {host: 127.0.0.1, port: 0}\n"
         f"backends: {{static: ['{backend_url}'], health: {{enabled: false}}}}\n" + extra
     )
+
+
+@contextlib.asynccontextmanager
+async def cli_gateway(tmp_path: Path, *args: str) -> AsyncIterator[tuple[int, Path, Path]]:
+    """The real entry point (`python -m gateway`) with its real log set-up; yields the
+    client port and the files its stdout and stderr go to. SIGTERM and exit 0 at the end.
+    Ports are picked up front: at log level warning the gateway does not print them."""
+    port, admin = free_port(), free_port()
+    out_path, err_path = tmp_path / "out", tmp_path / "err"
+    with out_path.open("wb") as out, err_path.open("wb") as err:
+        proc = await spawn(
+            "gateway",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--admin-port",
+            str(admin),
+            *args,
+            stdout=out,
+            stderr=err,
+        )
+    try:
+        async with asyncio.timeout(20), aiohttp.ClientSession() as s:
+            while True:
+                assert proc.returncode is None, err_path.read_text()
+                try:
+                    async with s.get(f"http://127.0.0.1:{admin}/readyz") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientConnectionError:
+                    pass
+                await asyncio.sleep(0.05)
+        yield port, out_path, err_path
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), timeout=10) == 0

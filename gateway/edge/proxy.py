@@ -65,9 +65,12 @@ from gateway.edge.upstream import ConnectFailed, Upstream, UpstreamBroken, Upstr
 from gateway.fleet.capability import Admission
 from gateway.fleet.membership import Fleet
 from gateway.fleet.pool import Backend, Fit
-from gateway.ops.observe import Exchange, Observer
+from gateway.ops.observe import USER_AGENT_MAX, Exchange, Observer
 from gateway.ops.redact import describe
 from gateway.runtime import Unstoppable
+
+USER_AGENT: Final = "User-Agent"
+TRACEPARENT: Final = "traceparent"
 
 log = logging.getLogger("gateway.edge.proxy")
 
@@ -146,6 +149,7 @@ class Proxy:
         self._fleet = fleet
         self._pool = fleet.pool
         self._observers = tuple(observers)
+        self._details = any(getattr(o, "wants_details", False) for o in observers)
         self._ids = _RequestIds()
         self.inflight = 0
         self.budget = InspectionBudget(settings.max_inspecting)
@@ -178,6 +182,10 @@ class Proxy:
         path, _, _ = raw_path.partition("?")
         route = settings.routes.match(path)
         exchange = Exchange(rid, request.method, route.path if route else "unmatched")
+        if self._details:
+            # An unknown path is the client's free text (a key pasted in the wrong place):
+            # only a path the route table knows is logged as sent.
+            _describe_client(request, path if route else "", exchange)
         self.inflight += 1
         try:
             return await self._handle(request, settings, route, raw_path, exchange)
@@ -706,6 +714,7 @@ class Proxy:
         exchange.first_byte = time.perf_counter()
         exchange.status = upstream.status
         length = upstream.content_length
+        exchange.streamed = length is None
         clean = False
         try:
             # A sized body (a whole JSON reply) goes out with its headers in one write; a
@@ -767,6 +776,21 @@ class Proxy:
                 # Closing (not releasing) the connection is what tells SGLang the client
                 # is gone, so it aborts the generation instead of finishing it for nobody.
                 upstream.close()
+
+
+def _describe_client(request: web.BaseRequest, path: str, exchange: Exchange) -> None:
+    """The client-side fields of the access log line."""
+    exchange.client = request.remote or ""
+    exchange.path = path
+    version = request.version
+    exchange.http_version = f"{version.major}.{version.minor}"
+    headers = request.headers
+    agent = headers.get(USER_AGENT)
+    if agent:
+        exchange.user_agent = agent[:USER_AGENT_MAX]
+    traceparent = headers.get(TRACEPARENT)
+    if traceparent:
+        exchange.traceparent = traceparent
 
 
 def _fits(version: str | None, admission: Admission | None) -> Fit | None:

@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from gateway import build
+from gateway.ops import logs
 from gateway.contract.replies import Outcome
 from gateway.fleet.pool import BackendPool, Health
 from gateway.ops.observe import Exchange
@@ -461,6 +462,13 @@ class FleetCollector(Collector):
             p + "client_connections_refused",
             "Client connections answered 503 and closed at once: the limit was reached.",
             value=float(conns_refused),
+        )
+        writer = logs.access_writer()
+        yield CounterMetricFamily(
+            p + "access_log_dropped_lines",
+            "Access-log lines dropped because stdout could not take them (a stalled or "
+            "closed reader); the requests themselves were served.",
+            value=float(writer.dropped_lines if writer is not None else 0),
         )
         up = self._gw.upstream_stats
         yield CounterMetricFamily(

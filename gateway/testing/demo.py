@@ -14,7 +14,7 @@ from gateway import config as config_mod
 from gateway import runtime
 from gateway.app import Gateway
 from gateway.edge.aio import check_runtime
-from gateway.runtime import setup_logging
+from gateway.ops import logs
 from gateway.testing.stub import StubBackend
 
 _BANNER = """
@@ -69,6 +69,6 @@ def main(argv: Sequence[str]) -> int:
     if problem:
         print(f"sglang-gateway: {problem}")
         return 1
-    setup_logging("info")
+    logs.setup("info", "text")
     runtime.run(_run(args.host, args.port, args.admin_port, args.stub_port))
     return 0

@@ -4,12 +4,10 @@ real stubs on loopback, /metrics scraped over HTTP, the access logger's lines ca
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import platform
 import re
-import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from importlib import metadata
@@ -29,10 +27,9 @@ from tests.conftest import (
     GatewayFactory,
     abandon_generate,
     admin_url,
-    free_port,
+    cli_gateway,
     gw_url,
     proxied,
-    spawn,
     wait_for,
 )
 
@@ -423,10 +420,13 @@ async def test_exposition_has_one_prefix_no_created_and_bounded_methods(
 
 
 _TEXT_LINE = re.compile(
-    r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (?P<rid>\S+) (?P<method>[A-Z]+) (?P<route>\S+) "
-    r"(?P<status>\d{3}) (?P<outcome>\S+) reason=(?P<reason>\S+) backend=(?P<backend>\S+) "
+    r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (?P<rid>\S+) (?P<client>\S+) "
+    r'"(?P<method>[A-Z]+) (?P<path>\S+) HTTP/(?P<http>[\d.]+)" '
+    r"(?P<status>\d{3}) (?P<outcome>\S+) route=(?P<route>\S+) reason=(?P<reason>\S+) "
+    r"backend=(?P<backend>\S+) "
     r"attempts=(?P<attempts>\d+) in=(?P<bytes_in>\d+) out=(?P<bytes_out>\d+) "
-    r"ttfb_ms=(?P<ttfb>[\d.]+|-) ms=(?P<ms>[\d.]+)"
+    r"streamed=(?P<streamed>yes|no) ttfb_ms=(?P<ttfb>[\d.]+|-) ms=(?P<ms>[\d.]+)"
+    r'(?: trace=[0-9a-f]{32})? ua="(?P<ua>[^"]*)"'
 )
 
 
@@ -691,44 +691,6 @@ async def test_no_prompt_or_credentials_in_logs(
     assert len(access) == len(_secret_requests())
     for rid in ("s-ok", "s-rej", "s-chat", "s-badjson", "s-badfield", "s-502", "s-404"):
         assert rid in everything
-
-
-@contextlib.asynccontextmanager
-async def cli_gateway(tmp_path: Path, *args: str) -> AsyncIterator[tuple[int, Path, Path]]:
-    """The real entry point (`python -m gateway`) with its real log set-up; yields the
-    client port and the files its stdout and stderr go to. SIGTERM and exit 0 at the end.
-    Ports are picked up front: at log level warning the gateway does not print them."""
-    port, admin = free_port(), free_port()
-    out_path, err_path = tmp_path / "out", tmp_path / "err"
-    with out_path.open("wb") as out, err_path.open("wb") as err:
-        proc = await spawn(
-            "gateway",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--admin-port",
-            str(admin),
-            *args,
-            stdout=out,
-            stderr=err,
-        )
-    try:
-        async with asyncio.timeout(20), aiohttp.ClientSession() as s:
-            while True:
-                assert proc.returncode is None, err_path.read_text()
-                try:
-                    async with s.get(f"http://127.0.0.1:{admin}/readyz") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientConnectionError:
-                    pass
-                await asyncio.sleep(0.05)
-        yield port, out_path, err_path
-    finally:
-        if proc.returncode is None:
-            proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), timeout=10) == 0
 
 
 async def test_cli_process_output_has_no_secrets(stub: StubBackend, tmp_path: Path) -> None:

@@ -1,0 +1,232 @@
+"""Where the process's log lines go, and in what shape.
+
+Two streams: operational messages (start-up, reloads, failures) on stderr, written at once
+as they happen; the access log on stdout, one line per request, written in batches. With
+`logging.format: json` both are JSON, one object per line with a `level`, so a log pipeline
+can take the whole output of the process as it is.
+
+The access log is batched because a write per request was the costliest part of logging
+it: a line is appended to a buffer and the buffer goes out when it holds `BATCH_BYTES`, or
+`BATCH_DELAY_S` after its first line, or when the process drains or exits cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import errno
+import logging
+import os
+import stat
+import sys
+import time
+from datetime import UTC, datetime
+from types import TracebackType
+from typing import Final
+
+import orjson
+
+from gateway.ops.redact import describe
+
+BATCH_BYTES: Final = 64 * 1024
+BATCH_DELAY_S: Final = 0.1
+# Lines kept while stdout cannot take them (a reader that stopped reading); past this the
+# oldest are dropped and counted rather than growing without bound.
+MAX_PENDING_BYTES: Final = 4 * 1024 * 1024
+# Writes to a pipe up to PIPE_BUF bytes are atomic: with --workers N sharing one stdout
+# pipe, a batch cut at lines within that size never interleaves with a sibling's mid-line.
+_PIPE_BUF: Final = 4096
+
+
+class AccessWriter:
+    """Access-log lines, buffered and written to one file descriptor in batches."""
+
+    def __init__(
+        self,
+        fd: int,
+        *,
+        batch_bytes: int = BATCH_BYTES,
+        delay_s: float = BATCH_DELAY_S,
+        max_pending: int = MAX_PENDING_BYTES,
+    ) -> None:
+        self._fd = fd
+        self._buf = bytearray()
+        self._batch = batch_bytes
+        self._delay = delay_s
+        self._max_pending = max_pending
+        self._timer: asyncio.TimerHandle | None = None
+        self._chunk = _PIPE_BUF if _is_pipe(fd) else batch_bytes
+        self.written_lines = 0
+        self.dropped_lines = 0
+        self._pending_lines = 0
+        self._broken = False
+
+    def write(self, line: bytes) -> None:
+        """Queue one line (without its newline)."""
+        buf = self._buf
+        buf += line
+        buf += b"\n"
+        self._pending_lines += 1
+        if len(buf) >= self._batch:
+            self.flush()
+        elif self._timer is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # outside a loop (start-up, tests): nothing would flush later
+                self.flush()
+                return
+            self._timer = loop.call_later(self._delay, self._due)
+
+    def _due(self) -> None:
+        self._timer = None
+        self.flush()
+
+    def flush(self) -> None:
+        """Write what is buffered; what the descriptor cannot take now stays for later."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        buf = self._buf
+        if not buf:
+            return
+        if self._broken:
+            self._drop(len(buf))
+            return
+        view = memoryview(buf)
+        done = 0
+        try:
+            while done < len(buf):
+                end = len(buf)
+                if end - done > self._chunk:
+                    # Cut at the last whole line that fits, or after one overlong line.
+                    cut = buf.rfind(b"\n", done, done + self._chunk)
+                    end = cut + 1 if cut >= 0 else buf.index(b"\n", done) + 1
+                done += os.write(self._fd, view[done:end])
+        except BlockingIOError:
+            pass  # a non-blocking stdout is full: the rest goes out with the next batch
+        except OSError as exc:
+            # stdout closed or broken (EPIPE, EBADF): keep serving, count what is lost.
+            self._broken = True
+            if exc.errno not in (errno.EPIPE, errno.EBADF):
+                logging.getLogger("gateway.access").warning("access log write failed: %s", exc)
+        finally:
+            view.release()
+        written = buf.count(b"\n", 0, done)
+        self.written_lines += written
+        self._pending_lines -= written
+        del buf[:done]
+        if self._broken:
+            self._drop(len(buf))
+        elif len(buf) > self._max_pending:
+            self._drop(len(buf) - self._max_pending)
+        elif buf and self._timer is None:
+            with contextlib.suppress(RuntimeError):
+                self._timer = asyncio.get_running_loop().call_later(self._delay, self._due)
+
+    def _drop(self, nbytes: int) -> None:
+        """Drop the oldest whole lines covering at least `nbytes`."""
+        buf = self._buf
+        cut = buf.find(b"\n", nbytes - 1) + 1 or len(buf)
+        lines = buf.count(b"\n", 0, cut)
+        del buf[:cut]
+        self.dropped_lines += lines
+        self._pending_lines -= lines
+
+
+def _is_pipe(fd: int) -> bool:
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
+
+
+_writer: AccessWriter | None = None
+
+
+def access_writer() -> AccessWriter | None:
+    """The process's batched access-log writer, once `setup` made one."""
+    return _writer
+
+
+def flush() -> None:
+    if _writer is not None:
+        _writer.flush()
+
+
+# -- operational lines ---------------------------------------------------------------------
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: ts, level, logger, message, and an exception described
+    by type and frames (redact.describe), never by its message."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, object] = {
+            "ts": timestamp(record.created),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info and record.exc_info[1] is not None:
+            out["error"] = describe(record.exc_info[1])
+        return orjson.dumps(out).decode()
+
+
+_TEXT_FORMAT: Final = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def setup(level: str, fmt: str = "text") -> AccessWriter:
+    """Operational logs to stderr at `level`, in `fmt`; the access log to stdout, batched.
+
+    Idempotent: a second call replaces the handlers the first installed.
+    """
+    global _writer
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if getattr(handler, "_gateway", False):
+            root.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(_TEXT_FORMAT))
+    handler._gateway = True  # type: ignore[attr-defined]
+    root.addHandler(handler)
+    root.setLevel(getattr(logging, level.upper()))
+    # Python's own warnings and uncaught exceptions become records too, so with the JSON
+    # format no plain-text traceback lands between the JSON lines.
+    logging.captureWarnings(True)
+    sys.excepthook = _log_uncaught
+    # The access logger keeps its own switch (logging.access_log): level "warning" quiets
+    # the gateway's messages, not the one line per request.
+    access = logging.getLogger("gateway.access")
+    access.setLevel(logging.INFO)
+    if _writer is None:
+        _writer = AccessWriter(sys.stdout.fileno())
+        atexit.register(_writer.flush)
+    return _writer
+
+
+def _log_uncaught(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+    logging.getLogger("gateway").critical("uncaught exception", exc_info=(kind, exc, tb))
+
+
+# -- timestamps ------------------------------------------------------------------------------
+
+_second: int = -1
+_second_text: str = ""
+
+
+def timestamp(epoch: float | None = None) -> str:
+    """RFC 3339 in UTC with milliseconds, e.g. 2026-11-30T08:15:02.127Z.
+
+    The seconds part is formatted once per second: building a datetime for each line cost
+    more than the rest of the line.
+    """
+    global _second, _second_text
+    if epoch is None:
+        epoch = time.time()
+    whole = int(epoch)
+    if whole != _second:
+        _second_text = datetime.fromtimestamp(whole, UTC).strftime("%Y-%m-%dT%H:%M:%S")
+        _second = whole
+    return f"{_second_text}.{int((epoch - whole) * 1000):03d}Z"

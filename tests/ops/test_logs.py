@@ -1,0 +1,252 @@
+"""The process's log output: JSON on both streams, the access log's fields, and its
+batched writer (real pipes, real processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import sys
+from pathlib import Path
+
+import aiohttp
+import orjson
+import pytest
+
+from gateway.ops.logs import AccessWriter
+from gateway.testing.stub import StubBackend
+from tests.conftest import cli_gateway
+
+ROOT = Path(__file__).resolve().parents[2]
+
+JSON = {"Content-Type": "application/json"}
+TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+TRACEPARENT = f"00-{TRACE}-00f067aa0ba902b7-01"
+
+
+async def test_json_format_makes_every_line_json(stub: StubBackend, tmp_path: Path) -> None:
+    """Operational lines (stderr) and access lines (stdout) alike, each with a level."""
+    async with (
+        cli_gateway(tmp_path, "--backend", stub.url, "--log-level", "debug") as (
+            port,
+            out_path,
+            err_path,
+        ),
+        aiohttp.ClientSession() as s,
+    ):
+        base = f"http://127.0.0.1:{port}"
+        headers = {**JSON, "User-Agent": "rollout-worker/7", "traceparent": TRACEPARENT}
+        plain = orjson.dumps({"text": "x", "sampling_params": {"top_k": 2}})
+        async with s.post(f"{base}/generate?x=1", data=plain, headers=headers) as r:
+            assert r.status == 200
+            await r.read()
+        streamed = orjson.dumps({"text": "x", "stream": True})
+        async with s.post(f"{base}/generate", data=streamed, headers=JSON) as r:
+            assert r.status == 200
+            await r.read()
+        async with s.get(f"{base}/no/such/path") as r:
+            assert r.status == 404
+        async with s.post(f"{base}/generate", data=b"{", headers=JSON) as r:
+            assert r.status == 400
+    out, err = out_path.read_text(), err_path.read_text()
+    for stream, text in (("stdout", out), ("stderr", err)):
+        lines = text.splitlines()
+        assert lines, stream
+        for line in lines:
+            record = orjson.loads(line)  # raises on a plain-text line
+            assert record["level"] in {"debug", "info", "warning", "error", "critical"}, line
+            assert record["ts"].endswith("Z")
+    access = [orjson.loads(line) for line in out.splitlines()]
+    assert [a["status"] for a in access] == [200, 200, 404, 400]
+    first, stream_line, unknown, bad = access
+    assert first["client"] == "127.0.0.1"
+    assert first["path"] == "/generate"  # the query string is never logged
+    assert first["http"] == "1.1"
+    assert first["user_agent"] == "rollout-worker/7"
+    assert first["trace_id"] == TRACE
+    assert first["streamed"] is False
+    assert stream_line["streamed"] is True
+    assert "trace_id" not in stream_line
+    assert unknown["path"] is None and unknown["route"] == "unmatched"
+    assert bad["outcome"] == "rejected:request_body"
+    messages = [orjson.loads(line)["message"] for line in err.splitlines()]
+    assert any("listening on" in m for m in messages)
+    assert any("stopped" in m for m in messages)
+
+
+@pytest.mark.parametrize(
+    ("header", "logged"),
+    [
+        (TRACEPARENT, TRACE),
+        (f"00-{'0' * 32}-00f067aa0ba902b7-01", None),  # all-zero id: invalid
+        (f"ff-{TRACE}-00f067aa0ba902b7-01", None),  # version ff: invalid
+        (f"00-{TRACE.upper()}-00f067aa0ba902b7-01", None),  # upper-case hex: invalid
+        ("garbage", None),
+    ],
+)
+async def test_trace_id_only_from_a_valid_traceparent(
+    stub: StubBackend, tmp_path: Path, header: str, logged: str | None
+) -> None:
+    async with (
+        cli_gateway(tmp_path, "--backend", stub.url) as (port, out_path, _),
+        aiohttp.ClientSession() as s,
+    ):
+        body = orjson.dumps({"text": "x"})
+        async with s.post(
+            f"http://127.0.0.1:{port}/generate", data=body, headers={**JSON, "traceparent": header}
+        ) as r:
+            assert r.status == 200
+    (line,) = out_path.read_text().splitlines()
+    assert orjson.loads(line).get("trace_id") == logged
+    # The header reaches the backend untouched either way (SGLang reads it).
+    assert stub.received[-1].headers.get("traceparent") == header
+
+
+async def test_no_line_lost_at_sigterm(stub: StubBackend, tmp_path: Path) -> None:
+    """Lines still in the batch when SIGTERM arrives are written before the exit."""
+    n = 300
+    async with (
+        cli_gateway(tmp_path, "--backend", stub.url) as (port, out_path, _),
+        aiohttp.ClientSession() as s,
+    ):
+        body = orjson.dumps({"text": "x"})
+        url = f"http://127.0.0.1:{port}/generate"
+
+        async def one(i: int) -> None:
+            async with s.post(url, data=body, headers={**JSON, "X-Request-Id": f"r-{i}"}) as r:
+                assert r.status == 200
+                await r.read()
+
+        await asyncio.gather(*(one(i) for i in range(n)))
+    ids = [orjson.loads(line)["request_id"] for line in out_path.read_text().splitlines()]
+    assert sorted(ids) == sorted(f"r-{i}" for i in range(n))
+
+
+# -- the writer on its own, on real pipes --------------------------------------------------
+
+
+def _pipe() -> tuple[int, int]:
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    return r, w
+
+
+def _read_all(fd: int) -> bytes:
+    out = bytearray()
+    while True:
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return bytes(out)
+        if not chunk:
+            return bytes(out)
+        out += chunk
+
+
+async def test_lines_wait_for_the_timer() -> None:
+    r, w = _pipe()
+    try:
+        writer = AccessWriter(w, delay_s=0.05)
+        writer.write(b'{"a":1}')
+        writer.write(b'{"a":2}')
+        assert _read_all(r) == b""  # buffered, not one write per line
+        await asyncio.sleep(0.2)
+        assert _read_all(r) == b'{"a":1}\n{"a":2}\n'
+        assert writer.written_lines == 2
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+async def test_a_full_batch_goes_out_at_once() -> None:
+    r, w = _pipe()
+    try:
+        writer = AccessWriter(w, batch_bytes=1000, delay_s=60)
+        line = b"x" * 99
+        for _ in range(9):
+            writer.write(line)
+        assert _read_all(r) == b""
+        writer.write(line)  # 10 lines of 100 bytes: the batch is full
+        assert _read_all(r) == (line + b"\n") * 10
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+async def test_a_stalled_reader_costs_bounded_memory() -> None:
+    """stdout non-blocking and full: lines wait, then the oldest are dropped and counted."""
+    r, w = _pipe()
+    os.set_blocking(w, False)
+    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 4096)  # a one-page pipe fills fast
+    try:
+        writer = AccessWriter(w, batch_bytes=1024, delay_s=60, max_pending=8192)
+        total = 400
+        for i in range(total):
+            writer.write(b"%05d" % i + b"y" * 94)
+        assert writer.dropped_lines > 0
+        assert len(writer._buf) <= 8192 + 100
+        got = _read_all(r)
+        writer.flush()  # the reader made room: what waited goes out now
+        got += _read_all(r)
+        indices = [int(line[:5]) for line in got.splitlines()]
+        # Whole lines, in order, none twice; every line was written, dropped or still waits.
+        assert indices == sorted(set(indices))
+        assert all(line.endswith(b"y" * 94) for line in got.splitlines())
+        assert len(indices) == writer.written_lines
+        assert writer.written_lines + writer.dropped_lines + writer._pending_lines == total
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+async def test_a_closed_stdout_drops_lines_without_failing() -> None:
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        writer = AccessWriter(w, delay_s=60)
+        writer.write(b"one")
+        writer.flush()  # EPIPE (SIGPIPE is ignored by Python)
+        writer.write(b"two")
+        writer.flush()
+        assert writer.dropped_lines == 2
+        assert writer.written_lines == 0
+    finally:
+        os.close(w)
+
+
+_WRITER = """
+import os, sys
+from gateway.ops.logs import AccessWriter
+fd, tag = int(sys.argv[1]), sys.argv[2].encode()
+writer = AccessWriter(fd, batch_bytes=1 << 16, delay_s=60)
+for i in range(3000):
+    writer.write(tag * 40 + b"-%d" % i)
+writer.flush()
+"""
+
+
+async def test_workers_sharing_a_pipe_never_interleave_mid_line(tmp_path: Path) -> None:
+    """--workers N: several processes write large batches to one stdout pipe at once."""
+    script = tmp_path / "writer.py"
+    script.write_text(_WRITER)
+    r, w = os.pipe()
+    writers = [
+        await asyncio.create_subprocess_exec(
+            sys.executable, str(script), str(w), tag, pass_fds=(w,), cwd=ROOT
+        )
+        for tag in ("a", "b", "c")
+    ]
+    os.close(w)
+    data = bytearray()
+    loop = asyncio.get_running_loop()
+    while chunk := await loop.run_in_executor(None, os.read, r, 1 << 16):
+        data += chunk
+    os.close(r)
+    for proc in writers:
+        assert await proc.wait() == 0
+    lines = data.decode().splitlines()
+    assert len(lines) == 9000
+    for line in lines:
+        body, _, index = line.partition("-")
+        assert body in {"a" * 40, "b" * 40, "c" * 40}, line[:80]
+        assert index.isdigit()
