@@ -29,9 +29,9 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from gateway import build
-from gateway.ops import logs
 from gateway.contract.replies import Outcome
 from gateway.fleet.pool import BackendPool, Health
+from gateway.ops import logs
 from gateway.ops.observe import Exchange
 
 PREFIX: Final = "sglang_gateway_"
