@@ -1,7 +1,8 @@
 """The gateway's own endpoints, on their own listener so they never shadow SGLang's routes.
 
 /livez: the process and its event loop answer. /readyz: config loaded, not draining, and
-at least one backend seen healthy. /metrics: Prometheus text.
+at least one backend seen healthy. /metrics: Prometheus text, or OpenMetrics when the
+scraper's Accept header asks for it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ async def _call(source: Source[T]) -> T:
 
 
 def make_admin_app(
-    *, ready: Source[tuple[bool, str]], metrics: Source[tuple[bytes, str]]
+    *,
+    ready: Source[tuple[bool, str]],
+    metrics: Callable[[str | None], tuple[bytes, str] | Awaitable[tuple[bytes, str]]],
 ) -> web.Application:
     async def livez(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -38,8 +41,9 @@ def make_admin_app(
             {"status": "ready" if ok else "not_ready", "reason": why}, status=200 if ok else 503
         )
 
-    async def metrics_handler(_: web.Request) -> web.Response:
-        body, content_type = await _call(metrics)
+    async def metrics_handler(request: web.Request) -> web.Response:
+        # The scraper's Accept decides the format: OpenMetrics if it asks for it.
+        body, content_type = await _call(lambda: metrics(request.headers.get("Accept")))
         resp = web.Response(body=body)
         resp.headers["Content-Type"] = content_type
         return resp

@@ -17,8 +17,13 @@ import bisect
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Final, Protocol
 
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client import (
+    CollectorRegistry,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+)
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -30,6 +35,7 @@ from prometheus_client.utils import floatToGoString
 
 from gateway import build
 from gateway.contract.replies import Outcome
+from gateway.contract.routes import CONTROL_ROUTES
 from gateway.fleet.pool import BackendPool, Health
 from gateway.ops import logs
 from gateway.ops.observe import Exchange
@@ -65,10 +71,28 @@ _METHODS: Final = frozenset(
 _UPSTREAM_FAILURES: Final = frozenset(
     {Outcome.UPSTREAM_ERROR, Outcome.UPSTREAM_TIMEOUT, Outcome.UPSTREAM_BROKEN}
 )
+_UPSTREAM_CAUSES: Final = ("connect_failed", *sorted(o.value for o in _UPSTREAM_FAILURES))
 
 
 def _status_class(status: int) -> str:
     return f"{status // 100}xx" if 100 <= status < 600 else "other"
+
+
+def _status_code(status: int) -> str:
+    # At most 500 values, and in practice the dozen a proxy answers: a bounded label.
+    return str(status) if 100 <= status < 600 else "other"
+
+
+# The rules a refusal names (Exchange.rejected_by): their outcome series exist from the
+# start at 0, so `increase()` over a fresh process and absence alerts read a number.
+REJECTION_RULES: Final = ("auth", "control", "registry", "request_body", "sampling_mask")
+
+
+def render(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]:
+    """The registry in the format the scraper asked for: OpenMetrics when its Accept
+    header names it, else the Prometheus text format."""
+    encoder, content_type = choose_encoder(accept or "")
+    return encoder(registry), content_type
 
 
 def _method(method: str) -> str:
@@ -238,8 +262,8 @@ class Metrics(Collector):
         self._inflight = inflight
         self.requests = _Counter(
             "requests",
-            "Requests answered, by route, method and status class.",
-            ["route", "method", "status_class"],
+            "Requests answered, by route, method, status class and status code.",
+            ["route", "method", "status_class", "status_code"],
         )
         self.outcomes = _Counter(
             "request_outcomes",
@@ -313,11 +337,30 @@ class Metrics(Collector):
             self.bytes_in,
             self.bytes_out,
         )
+        for outcome in Outcome:
+            if outcome is Outcome.REJECTED:
+                for rule in REJECTION_RULES:
+                    self.outcomes.inc((f"rejected:{rule}",), 0.0)
+            else:
+                self.outcomes.inc((outcome.value,), 0.0)
+        for phase in ("waiting", "streaming"):
+            self.client_disconnects.inc((phase,), 0.0)
+        self._pool = pool
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
         self.registry.register(_BackendCollector(pool))
+        # The standard process_* and python_* families, on this registry (not the global).
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
 
     def collect(self) -> Iterable[Metric]:
+        # Every member's upstream series exist from the moment it joins, at 0.
+        for b in self._pool.backends:
+            key = (b.url,)
+            self.upstream_attempts.inc(key, 0.0)
+            for cause in _UPSTREAM_CAUSES:
+                self.upstream_errors.inc((b.url, cause), 0.0)
         for series in self._series:
             yield series.family()
         yield GaugeMetricFamily(
@@ -327,7 +370,10 @@ class Metrics(Collector):
     def finish(self, ex: Exchange) -> None:
         route = (ex.route,)
         outcome = ex.outcome
-        self.requests.inc((ex.route, _method(ex.method), _status_class(ex.status)))
+        status = ex.status
+        self.requests.inc(
+            (ex.route, _method(ex.method), _status_class(status), _status_code(status))
+        )
         self.outcomes.inc((ex.outcome_label,))
         if outcome is Outcome.REJECTED:
             self.rejections.inc((ex.rejected_by, ex.reason, ex.profile))
@@ -351,8 +397,11 @@ class Metrics(Collector):
         self.bytes_in.observe(route, ex.bytes_in)
         self.bytes_out.observe(route, ex.bytes_out)
 
-    def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+    def render(self, accept: str | None = None) -> tuple[bytes, str]:
+        return render(self.registry, accept)
+
+
+_CONTROL_RESULTS: Final = ("ok", "failed", "forbidden")
 
 
 class _DiscoveryStats(Protocol):
@@ -446,7 +495,11 @@ class FleetCollector(Collector):
             "credential: 403).",
             labels=["route", "result"],
         )
-        for (route, result), count in sorted(self._gw.control_counts.items()):
+        counts = dict.fromkeys(
+            ((route, result) for route in CONTROL_ROUTES for result in _CONTROL_RESULTS), 0
+        )
+        counts.update(self._gw.control_counts)
+        for (route, result), count in sorted(counts.items()):
             control.add_metric([route, result], float(count))
         yield control
         open_conns, limit, conns_refused = self._gw.client_connections

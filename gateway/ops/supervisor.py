@@ -33,9 +33,8 @@ from pathlib import Path
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
@@ -45,6 +44,7 @@ from gateway.config import GatewayConfig
 from gateway.fleet.shared import STATE_ENV, WORKERS_ENV, new_document, reseed, write_document
 from gateway.ops.admin import make_admin_app
 from gateway.ops.lifecycle import LIFELINE_ENV, read_reload, watch_mtime
+from gateway.ops.metrics import render
 
 log = logging.getLogger("gateway.ops.supervisor")
 
@@ -83,7 +83,9 @@ class _Merged(Collector):
         yield from self._families
 
 
-def merge_metrics(texts: Sequence[tuple[int, str]], own: Sequence[Metric] = ()) -> bytes:
+def merge_metrics(
+    texts: Sequence[tuple[int, str]], own: Sequence[Metric] = (), accept: str | None = None
+) -> tuple[bytes, str]:
     """Many workers' exposition text -> one, each sample labelled with its worker, and the
     supervisor's own families."""
     merged: dict[str, Metric] = {family.name: family for family in own}
@@ -98,7 +100,7 @@ def merge_metrics(texts: Sequence[tuple[int, str]], own: Sequence[Metric] = ()) 
                 target.add_sample(sample.name, labels, sample.value, sample.timestamp)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Merged(list(merged.values())))
-    return generate_latest(registry)
+    return render(registry, accept)
 
 
 class Supervisor:
@@ -252,10 +254,10 @@ class Supervisor:
             reason += "; failing to start: " + ", ".join(f"worker {i}" for i in failing)
         return ok > 0 and not failing, reason
 
-    async def metrics(self) -> tuple[bytes, str]:
+    async def metrics(self, accept: str | None = None) -> tuple[bytes, str]:
         results = await asyncio.gather(*(self._fetch(w, "/metrics") for w in self.workers))
         texts = [(w.index, r[1]) for w, r in zip(self.workers, results, strict=True) if r]
-        return merge_metrics(texts, own=list(self._own_metrics())), CONTENT_TYPE_LATEST
+        return merge_metrics(texts, own=list(self._own_metrics()), accept=accept)
 
     def _own_metrics(self) -> Iterator[Metric]:
         restarts = CounterMetricFamily(

@@ -146,6 +146,7 @@ async def test_rejection_counted_and_logged(
             route="/generate",
             method="POST",
             status_class="4xx",
+            status_code="400",
         )
         == 1.0
     )
@@ -153,7 +154,9 @@ async def test_rejection_counted_and_logged(
         sample(m, "sglang_gateway_request_outcomes_total", outcome="rejected:sampling_mask") == 1.0
     )
     # Nothing went upstream, so nothing upstream was counted.
-    assert not [k for k in m if k[0] == "sglang_gateway_upstream_attempts_total"]
+    assert not [
+        k for k, v in m.items() if k[0] == "sglang_gateway_upstream_attempts_total" and v != 0.0
+    ]
     assert stub.generation_requests() == []
 
     line = record_for(access, "rej-1")
@@ -294,7 +297,7 @@ async def test_client_disconnect_counted(
     name = "sglang_gateway_client_disconnects_total"
     await wait_for(lambda: value(gateway, name, phase=phase) == 1.0)
     other = "waiting" if stream else "streaming"
-    assert value(gateway, name, phase=other) is None
+    assert value(gateway, name, phase=other) == 0.0  # exported at 0 from the start
     assert value(gateway, "sglang_gateway_request_outcomes_total", outcome="client_disconnect") == 1
     line = record_for(access, "gone-1")
     assert line["outcome"] == "client_disconnect"
@@ -388,7 +391,10 @@ async def test_exposition_has_one_prefix_no_created_and_bounded_methods(
     text, m = await scrape(session, gateway)
     assert "_created" not in text
     names = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
-    assert names and all(n.startswith("sglang_gateway_") for n in names)
+    # The gateway's own families, and the standard process and Python ones beside them.
+    ours = {n for n in names if n.startswith("sglang_gateway_")}
+    assert ours and all(n.startswith(("process_", "python_")) for n in names - ours)
+    assert {"process_cpu_seconds_total", "process_resident_memory_bytes", "python_info"} <= names
     assert {
         "sglang_gateway_requests_total",
         "sglang_gateway_request_outcomes_total",
@@ -410,9 +416,14 @@ async def test_exposition_has_one_prefix_no_created_and_bounded_methods(
         "sglang_gateway_backend_inflight_requests",
     } <= names
     requests = "sglang_gateway_requests_total"
-    other = sample(m, requests, route="/generate", method="other", status_class="4xx")
+    other = sample(
+        m, requests, route="/generate", method="other", status_class="4xx", status_code="405"
+    )
     assert other == 1.0
-    assert sample(m, requests, route="unmatched", method="other", status_class="4xx") == 1.0
+    unmatched = sample(
+        m, requests, route="unmatched", method="other", status_class="4xx", status_code="404"
+    )
+    assert unmatched == 1.0
     assert not [k for k in m if ("method", "PROPFIND") in k[1]]
 
 
@@ -750,3 +761,59 @@ async def test_the_admin_listener_announces_the_gateway(
     for path in ("/livez", "/readyz", "/metrics", "/nope"):
         async with session.get(admin_url(gateway, path)) as r:
             assert r.headers["Server"] == "sglang-gateway", path
+
+
+async def test_known_series_exist_at_zero_from_the_start(
+    stub: StubBackend, gateway: Gateway, session: aiohttp.ClientSession
+) -> None:
+    """Before any request: `increase()` and absence alerts need a 0, not a missing series."""
+    _, m = await scrape(session, gateway)
+    outcomes = {
+        dict(labels)["outcome"]: v
+        for (name, labels), v in m.items()
+        if name == "sglang_gateway_request_outcomes_total"
+    }
+    assert outcomes["ok"] == 0.0
+    assert outcomes["upstream_error"] == 0.0
+    assert outcomes["rejected:sampling_mask"] == 0.0
+    assert outcomes["rejected:auth"] == 0.0
+    assert set(outcomes.values()) == {0.0}
+    for phase in ("waiting", "streaming"):
+        assert sample(m, "sglang_gateway_client_disconnects_total", phase=phase) == 0.0
+    for cause in ("connect_failed", "upstream_error", "upstream_timeout", "upstream_broken"):
+        errors = sample(m, "sglang_gateway_upstream_errors_total", backend=stub.url, cause=cause)
+        assert errors == 0.0, cause
+    assert sample(m, "sglang_gateway_upstream_attempts_total", backend=stub.url) == 0.0
+    for result in ("ok", "failed", "forbidden"):
+        control = sample(
+            m, "sglang_gateway_control_requests_total", route="/flush_cache", result=result
+        )
+        assert control == 0.0, result
+    await post(session, gateway, "/generate", OK_BODY)
+    _, m = await scrape(session, gateway)
+    assert sample(m, "sglang_gateway_request_outcomes_total", outcome="ok") == 1.0
+    assert sample(m, "sglang_gateway_upstream_attempts_total", backend=stub.url) == 1.0
+
+
+async def test_openmetrics_when_the_scraper_asks(
+    stub: StubBackend, gateway: Gateway, session: aiohttp.ClientSession
+) -> None:
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
+
+    await post(session, gateway, "/generate", OK_BODY)
+    accept = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
+    async with session.get(admin_url(gateway, "/metrics"), headers={"Accept": accept}) as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"].startswith("application/openmetrics-text")
+        text = await r.text()
+    assert text.endswith("# EOF\n")
+    families = {f.name: f for f in om_parse(text)}  # the strict OpenMetrics parser
+    (ok,) = [
+        s
+        for s in families["sglang_gateway_requests"].samples
+        if s.name == "sglang_gateway_requests_total" and s.labels["status_code"] == "200"
+    ]
+    assert ok.value == 1.0
+    # Without that Accept header: the Prometheus text format, as before.
+    plain, _ = await scrape(session, gateway)
+    assert "# EOF" not in plain

@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import signal
 
 import aiohttp
 import orjson
+from prometheus_client.openmetrics.parser import text_fd_to_metric_families
 
 from gateway.ops.supervisor import merge_metrics
 from gateway.testing.stub import StubBackend
 from tests.conftest import free_port, spawn
 
+OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+
 
 def test_merge_labels_each_worker() -> None:
     a = '# TYPE x_total counter\nx_total{route="/generate"} 3.0\n'
     b = '# TYPE x_total counter\nx_total{route="/generate"} 4.0\n'
-    text = merge_metrics([(0, a), (1, b)]).decode()
+    text = merge_metrics([(0, a), (1, b)])[0].decode()
     assert 'x_total{route="/generate",worker="0"} 3.0' in text
     assert 'x_total{route="/generate",worker="1"} 4.0' in text
     assert text.count("# TYPE x_total counter") == 1
@@ -67,6 +71,18 @@ async def test_two_workers_share_the_port(stub: StubBackend) -> None:
                     assert r.status == 200
             async with s.get(f"http://127.0.0.1:{admin}/metrics") as r:
                 text = await r.text()
+            # The merged exposition in OpenMetrics too, when the scraper asks for it.
+            async with s.get(
+                f"http://127.0.0.1:{admin}/metrics", headers={"Accept": OPENMETRICS}
+            ) as r:
+                assert r.headers["Content-Type"].startswith("application/openmetrics-text")
+                om = {f.name: f for f in text_fd_to_metric_families(io.StringIO(await r.text()))}
+        om_requests = [
+            s.labels["worker"]
+            for s in om["sglang_gateway_requests"].samples
+            if s.labels.get("route") == "/generate" and s.name.endswith("_total")
+        ]
+        assert set(om_requests) == {"0", "1"}
         per_worker = {}
         for line in text.splitlines():
             if line.startswith("sglang_gateway_requests_total{") and 'route="/generate"' in line:
