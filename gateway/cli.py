@@ -1,7 +1,8 @@
 """Command line: thin on purpose. Parse flags -> build the frozen config -> serve.
 
 sglang-gateway --backend http://127.0.0.1:30000 --port 8080
-sglang-gateway --config config/gateway.yaml [--check-config]
+sglang-gateway --config config/gateway.yaml [--check-config [--json]]
+SGLANG_GATEWAY_LISTEN__PORT=9000 sglang-gateway --config ...   # any key, from the environment
 sglang-gateway demo          # the bundled stub backend and a gateway in front of it
 sglang-gateway stub --port 30000
 """
@@ -13,6 +14,8 @@ import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
+
+import yaml
 
 from gateway import build, runtime
 from gateway import config as config_mod
@@ -50,7 +53,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--workers", type=int, help="processes sharing the port (listen.workers)")
     p.add_argument(
-        "--check-config", action="store_true", help="validate the config, print it and exit"
+        "--check-config",
+        action="store_true",
+        help="validate the config (file, then SGLANG_GATEWAY_* environment, then flags), "
+        "print the result as YAML and exit",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="with --check-config: print JSON instead of YAML"
     )
     # Set by the --workers supervisor on the processes it starts.
     p.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
@@ -101,7 +110,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"sglang-gateway: invalid config:\n{exc}", file=sys.stderr)
         return EXIT_CONFIG
     if args.check_config:
-        print(cfg.model_dump_json(indent=2))
+        if args.json:
+            print(cfg.model_dump_json(indent=2))
+        else:
+            # The format it reads, so the output can be saved and used as a config file.
+            print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
         return 0
     problem = check_runtime()
     if problem:

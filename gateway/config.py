@@ -9,6 +9,7 @@ prompt takes time), large bodies (RL rollouts send token-id lists), no total dea
 from __future__ import annotations
 
 import ipaddress
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
@@ -444,8 +445,50 @@ def build(data: Mapping[str, Any]) -> GatewayConfig:
         raise ConfigError(format_errors(exc)) from None
 
 
-def load(path: str | Path | None, overrides: Mapping[str, Any] | None = None) -> GatewayConfig:
-    """Read a YAML file (or nothing), apply CLI overrides (dotted keys), validate, freeze."""
+# SGLANG_GATEWAY_LISTEN__PORT=9000 sets listen.port: the prefix, then the key's path with
+# "__" between its levels. Only names with "__" are read, so the process's own variables
+# (SGLANG_GATEWAY_REVISION and the --workers plumbing) are never taken for config keys.
+ENV_PREFIX: Final = "SGLANG_GATEWAY_"
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Dotted keys and their values from the environment, each value read as YAML (so
+    `9000` is a number, `[a, b]` a list, `'"0123"'` a string)."""
+    out: dict[str, Any] = {}
+    for name in sorted(environ):
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue
+        parts = name[len(ENV_PREFIX) :].lower().split("__")
+        if not all(parts):
+            raise ConfigError(f"{name}: an empty key between '__' separators")
+        raw = environ[name]
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{name}: not a valid YAML value: {exc}") from None
+        out[".".join(parts)] = value
+    return out
+
+
+def _set(data: dict[str, Any], dotted: str, value: Any) -> None:
+    node = data
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        child = node.get(key)
+        if not isinstance(child, dict):
+            child = {}
+            node[key] = child
+        node = child
+    node[leaf] = value
+
+
+def load(
+    path: str | Path | None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> GatewayConfig:
+    """Read a YAML file (or nothing), then the environment's keys over it, then the CLI's
+    (dotted keys) over both; validate, freeze. `environ` defaults to the process's."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -461,14 +504,15 @@ def load(path: str | Path | None, overrides: Mapping[str, Any] | None = None) ->
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping")
         data = loaded
+    from_env = env_overrides(os.environ if environ is None else environ)
+    for dotted, value in from_env.items():
+        _set(data, dotted, value)
     for dotted, value in (overrides or {}).items():
-        node = data
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            child = node.get(key)
-            if not isinstance(child, dict):
-                child = {}
-                node[key] = child
-            node = child
-        node[leaf] = value
-    return build(data)
+        _set(data, dotted, value)
+    try:
+        return build(data)
+    except ConfigError as exc:
+        if not from_env:
+            raise
+        names = ", ".join(ENV_PREFIX + k.upper().replace(".", "__") for k in from_env)
+        raise ConfigError(f"{exc}\n(set from the environment: {names})") from None

@@ -13,6 +13,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 import pytest
+import yaml
 
 from gateway import cli
 from gateway.testing.stub import StubBackend
@@ -32,12 +33,82 @@ async def run_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, s
     return proc.returncode, out.decode(), err.decode()
 
 
-async def test_check_config_prints_the_frozen_config() -> None:
+async def test_check_config_prints_the_frozen_config_as_yaml(tmp_path: Path) -> None:
     code, out, _ = await run_cli("--check-config", "--backend", "http://127.0.0.1:30000")
     assert code == 0
-    cfg = orjson.loads(out)
+    cfg = yaml.safe_load(out)
     assert cfg["backends"]["static"] == ["http://127.0.0.1:30000"]
     assert cfg["policy"]["sampling_mask"]["mode"] == "enforce"
+    # The format it reads: saved and read back, it is the same config.
+    saved = tmp_path / "saved.yaml"
+    saved.write_text(out)
+    code, again, _ = await run_cli("--check-config", "--config", str(saved))
+    assert code == 0
+    assert again == out
+    code, as_json, _ = await run_cli("--check-config", "--json", "--config", str(saved))
+    assert code == 0
+    assert orjson.loads(as_json) == cfg
+
+
+async def test_every_key_settable_from_the_environment(tmp_path: Path) -> None:
+    """File, then environment over it, then flags over both."""
+    file = tmp_path / "gw.yaml"
+    file.write_text(
+        "backends: {static: ['http://127.0.0.1:1']}\nlisten: {port: 8000}\n"
+        "timeouts: {client_keepalive_s: 11}\nlogging: {format: text}\n"
+    )
+    env = {
+        "SGLANG_GATEWAY_LISTEN__PORT": "9000",
+        "SGLANG_GATEWAY_TIMEOUTS__CLIENT_KEEPALIVE_S": "12.5",
+        "SGLANG_GATEWAY_POLICY__SAMPLING_MASK__MODE": "log_only",
+        "SGLANG_GATEWAY_BACKENDS__STATIC": "[http://127.0.0.1:2, 'http://127.0.0.1:3']",
+        "SGLANG_GATEWAY_LOGGING__ACCESS_LOG": "false",
+        "SGLANG_GATEWAY_REVISION": "abc",  # no '__': the build's variable, not a config key
+    }
+    code, out, err = await run_cli("--check-config", "--config", str(file), env=env)
+    assert code == 0, err
+    cfg = yaml.safe_load(out)
+    assert cfg["listen"]["port"] == 9000
+    assert cfg["timeouts"]["client_keepalive_s"] == 12.5
+    assert cfg["policy"]["sampling_mask"]["mode"] == "log_only"
+    assert cfg["backends"]["static"] == ["http://127.0.0.1:2", "http://127.0.0.1:3"]
+    assert cfg["logging"] == {"level": "info", "access_log": False, "format": "text"}
+    code, out, _ = await run_cli(
+        "--check-config",
+        "--config",
+        str(file),
+        "--port",
+        "7000",
+        "--backend",
+        "http://h:4",
+        env=env,
+    )
+    assert code == 0
+    cfg = yaml.safe_load(out)
+    assert cfg["listen"]["port"] == 7000
+    assert cfg["backends"]["static"] == ["http://h:4"]
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "expected"),
+    [
+        (
+            "SGLANG_GATEWAY_LISTEN__PROT",
+            "1",
+            r"listen\.prot: value 1: Extra inputs.*\n"
+            r"\(set from the environment: SGLANG_GATEWAY_LISTEN__PROT\)",
+        ),
+        ("SGLANG_GATEWAY_LISTEN__PORT", "eighty", r"listen\.port: value 'eighty'"),
+        ("SGLANG_GATEWAY_LISTEN____PORT", "1", r"SGLANG_GATEWAY_LISTEN____PORT: an empty key"),
+        ("SGLANG_GATEWAY_LISTEN__PORT", "[1", r"SGLANG_GATEWAY_LISTEN__PORT: not a valid YAML"),
+    ],
+)
+async def test_a_bad_environment_key_is_a_config_error(
+    name: str, value: str, expected: str
+) -> None:
+    code, _, err = await run_cli("--check-config", "--backend", "http://h:1", env={name: value})
+    assert code == 2
+    assert re.search(expected, err), err
 
 
 def test_example_configs_are_valid(capsys: pytest.CaptureFixture[str]) -> None:
