@@ -39,7 +39,13 @@ from bench.procs import (
 )
 from bench.workloads import BY_NAME, SCALING_WORKLOADS, WORKLOADS, Workload
 
-TARGETS = ("direct", "nginx", "sglang-router", "gateway")
+TARGETS = ("direct", "nginx", "sglang-router", "gateway", "gateway-nolog", "gateway-rl")
+# The variants, each one setting away from the default config, run only where they tell
+# something: the access log's cost on small requests, the RL filter's setting on big bodies.
+VARIANT_WORKLOADS = {
+    "gateway-nolog": frozenset({"small", "small-c1"}),
+    "gateway-rl": frozenset({"ids-100k", "ids-100k-mask"}),
+}
 LUA = common.BENCH / "wrk" / "post.lua"
 INSTALL = common.BENCH / "install-anchors.sh"
 RESULTS = common.BENCH / "results"
@@ -168,9 +174,10 @@ def _start_targets(run: Run, kind: str, names: tuple[str, ...]) -> dict[str, Tar
             out[name] = Target(name, proc.port, proc)
         elif name.startswith("gateway"):
             workers = run.gateway_workers
-            if name != "gateway":  # gateway-xN: the scaling runs
+            scaling = name.startswith("gateway-x")  # gateway-xN: the scaling runs
+            if scaling:
                 workers = int(name.rsplit("x", 1)[1])
-            cpus = run.proxy_cpus if name == "gateway" else run.args.scaling_cpus or run.proxy_cpus
+            cpus = run.args.scaling_cpus or run.proxy_cpus if scaling else run.proxy_cpus
             proc = servers.gateway_proxy(
                 run.tmp,
                 kind,
@@ -178,7 +185,8 @@ def _start_targets(run: Run, kind: str, names: tuple[str, ...]) -> dict[str, Tar
                 cpus,
                 workers=workers,
                 label=name,
-                skip_parse=run.args.gateway_skip_parse,
+                skip_parse=run.args.gateway_skip_parse or name == "gateway-rl",
+                access_log=name != "gateway-nolog",
             ).start()
             out[name] = Target(name, proc.port, proc)
     for t in out.values():
@@ -341,6 +349,8 @@ def run_throughput(run: Run, w: Workload, targets: dict[str, Target]) -> Json:
     entry |= {"conns": w.conns, "path": w.path, "body_bytes": body_bytes, "targets": {}}
     active: list[Target] = []
     for name, t in targets.items():
+        if name in VARIANT_WORKLOADS and w.name not in VARIANT_WORKLOADS[name]:
+            continue
         rec: Json = {"status": t.status}
         entry["targets"][name] = rec
         if t.status != "ok":
@@ -384,6 +394,8 @@ def run_memory(run: Run, w: Workload, targets: dict[str, Target]) -> Json:
         title = f"{run.args.big_mb} MB response to one slow reader"
     entry: Json = {"title": title, "driver": w.driver, "path": w.path, "targets": {}}
     for name, t in targets.items():
+        if name in VARIANT_WORKLOADS:
+            continue
         rec: Json = {"status": t.status}
         entry["targets"][name] = rec
         if name == "direct" and run.args.smoke:
@@ -447,7 +459,11 @@ def run_groups(run: Run, selected: list[Workload], results: Json) -> None:
         group = [w for w in selected if w.kind == kind]
         if not group:
             continue
-        targets = _start_targets(run, kind, names)
+        wanted = {w.name for w in group}
+        kind_names = tuple(
+            n for n in names if n not in VARIANT_WORKLOADS or VARIANT_WORKLOADS[n] & wanted
+        )
+        targets = _start_targets(run, kind, kind_names)
         try:
             for w in group:
                 try:

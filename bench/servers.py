@@ -251,20 +251,24 @@ def gateway_proxy(
     workers: int,
     label: str,
     skip_parse: bool = False,
+    access_log: bool = True,
 ) -> Proc:
     port = common.free_port()
     admin = common.free_port()
     cfg = tmp / f"{label}-{kind}.yaml"
-    # Access log off (nginx's and the router's are off too); a short drain on stop.
+    # The default config, as users run it (access log on, written to the log file like a
+    # container's stdout), but for the ports and a short drain on stop; the variants change
+    # one setting each.
+    extra = "" if access_log else "logging: {access_log: false}\n"
+    if skip_parse:
+        extra += "policy: {skip_parse_without_mask_key: true}\n"
     cfg.write_text(
         f"""listen: {{host: 127.0.0.1, port: {port}}}
 admin: {{host: 127.0.0.1, port: {admin}}}
 backends:
   static: [http://127.0.0.1:{upstream_port}]
 timeouts: {{shutdown_grace_s: 1}}
-logging: {{level: warning, access_log: false}}
-policy: {{skip_parse_without_mask_key: {"true" if skip_parse else "false"}}}
-"""
+{extra}"""
     )
     argv = [*gateway_argv(), "--config", str(cfg)]
     if workers > 1:
