@@ -28,7 +28,7 @@ from aiohttp.web_protocol import RequestHandler
 
 from gateway.contract import replies
 from gateway.contract.routes import Family
-from gateway.edge.failures import UpstreamBroken
+from gateway.edge.failures import UpstreamBroken, UpstreamError, UpstreamTimeout
 from gateway.edge.headers import SERVER
 from gateway.ops.redact import describe
 
@@ -231,7 +231,7 @@ class UpstreamConnection(ResponseHandler):
         if 100 <= code <= 199 and code != 101:
             self.interim += 1
             if self.interim > MAX_INTERIM_RESPONSES:
-                self.set_exception(UpstreamBroken("too many interim responses"))
+                self.set_exception(UpstreamError("too many interim responses"))
                 transport = self.transport
                 if transport is not None:
                     transport.abort()
@@ -245,6 +245,19 @@ class UpstreamConnection(ResponseHandler):
 
     def _response_ended(self) -> None:
         self.expecting = False
+
+    def set_exception(self, exc: BaseException, *cause: BaseException) -> None:
+        """Fail the response under way too, not only the wait for the next head.
+
+        aiohttp puts a parser error (a bad chunk size mid-body, say) on the queue of heads
+        only, and drops the read timeout: the body's reader would wait forever on a
+        connection already closed, and the client with it.
+        """
+        super().set_exception(exc, *cause)
+        payload = self._payload
+        if payload is not None and not payload.is_eof() and payload.exception() is None:
+            kind = UpstreamTimeout if isinstance(exc, TimeoutError) else UpstreamBroken
+            payload.set_exception(kind(type(exc).__name__))
 
     @property
     def reusable(self) -> bool:

@@ -24,8 +24,8 @@ from typing import Any, Final
 import orjson
 
 from gateway.edge.auth import ApiKeys
-from gateway.edge.failures import ConnectFailed
-from gateway.edge.upstream import Upstream
+from gateway.edge.failures import ConnectFailed, UpstreamFailure, UpstreamTimeout
+from gateway.edge.upstream import Upstream, UpstreamResponse
 from gateway.fleet.pool import BackendPool, worker_id
 from gateway.fleet.shared import Change
 
@@ -130,7 +130,7 @@ class FanOut:
                     total_s=timeout_s,
                 )
                 try:
-                    data = await _read_bounded(resp.content, MAX_RELAYED_BYTES)
+                    data = await _read_bounded(resp, MAX_RELAYED_BYTES)
                 except BaseException:
                     resp.close()
                     raise
@@ -141,17 +141,17 @@ class FanOut:
                 resp.release()
         except ConnectFailed as exc:
             return BackendResult(url, 0, f"could not connect ({exc.cause})")
-        except TimeoutError:
+        except (TimeoutError, UpstreamTimeout):  # the call's own bound, or the client's
             return BackendResult(url, 0, f"no answer within {timeout_s:g} s")
-        except Exception as exc:  # UpstreamBroken, OSError, aiohttp's parser errors
-            return BackendResult(url, 0, f"broken answer ({type(exc).__name__})")
+        except UpstreamFailure as exc:
+            return BackendResult(url, 0, f"broken answer ({exc.cause})")
         return BackendResult(url, resp.status, _decode(data), data, content_type)
 
 
-async def _read_bounded(content: Any, limit: int) -> bytes | None:
+async def _read_bounded(resp: UpstreamResponse, limit: int) -> bytes | None:
     chunks: list[bytes] = []
     size = 0
-    while chunk := await content.readany():
+    while chunk := await resp.read():
         size += len(chunk)
         if size > limit:
             return None

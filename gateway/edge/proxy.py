@@ -16,10 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-import aiohttp
 import orjson
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 
 from gateway.contract import replies
 from gateway.contract.inspection import check_headers, inspect_body
@@ -61,7 +59,14 @@ from gateway.edge.headers import (
     ForwardedHeaders,
     valid_request_id,
 )
-from gateway.edge.upstream import ConnectFailed, Upstream, UpstreamBroken, UpstreamResponse
+from gateway.edge.upstream import (
+    ConnectFailed,
+    Upstream,
+    UpstreamError,
+    UpstreamFailure,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
 from gateway.fleet.capability import Admission
 from gateway.fleet.membership import Fleet
 from gateway.fleet.pool import Backend, Fit
@@ -669,14 +674,15 @@ class Proxy:
                     exchange.connect_failed = (*exchange.connect_failed, backend.url)
                     exchange.detail = f"connect failed: {exc.cause}"
                     continue
-                except TimeoutError:
+                except UpstreamTimeout as exc:
+                    exchange.detail = exc.cause
                     return self._upstream_failed(
                         exchange, route.family, 504, Outcome.UPSTREAM_TIMEOUT
                     )
-                except (UpstreamBroken, aiohttp.ClientError, HttpProcessingError) as exc:
+                except UpstreamError as exc:
                     # The request went out and the backend dropped it: never replay a
                     # generation that may have started.
-                    exchange.detail = type(exc).__name__
+                    exchange.detail = exc.cause
                     return self._upstream_failed(
                         exchange, route.family, 502, Outcome.UPSTREAM_ERROR
                     )
@@ -737,19 +743,15 @@ class Proxy:
                 # send; the upstream is closed below so SGLang aborts the generation.
                 exchange.outcome = Outcome.CLIENT_DISCONNECT
                 return resp
-            content = upstream.content
             while True:
                 try:
-                    chunk = await content.readany()
-                except (
-                    aiohttp.ClientPayloadError,
-                    aiohttp.ClientConnectionError,
-                    TimeoutError,
-                ) as exc:
-                    # The backend broke off mid-body. Abort the client's connection so the
-                    # truncation is visible (no final chunk, short Content-Length).
+                    chunk = await upstream.read()
+                except UpstreamFailure as exc:
+                    # The backend broke off or fell silent mid-body. Abort the client's
+                    # connection so the truncation is visible (no final chunk, short
+                    # Content-Length).
                     exchange.outcome = Outcome.UPSTREAM_BROKEN
-                    exchange.detail = type(exc).__name__
+                    exchange.detail = exc.cause
                     if request.transport is not None:
                         request.transport.abort()
                     return resp

@@ -19,14 +19,35 @@ from collections import deque
 from typing import Final
 from urllib.parse import urlsplit
 
+from aiohttp import ClientError
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.http_parser import RawResponseMessage
 from aiohttp.streams import StreamReader
 
 from gateway.edge.aio import UpstreamConnection
-from gateway.edge.failures import ConnectFailed, UpstreamBroken
+from gateway.edge.failures import (
+    ConnectFailed,
+    UpstreamBroken,
+    UpstreamError,
+    UpstreamFailure,
+    UpstreamTimeout,
+)
 from gateway.runtime import is_local
 
-__all__ = ["ConnectFailed", "Upstream", "UpstreamBroken", "UpstreamResponse", "build_head"]
+__all__ = [
+    "ConnectFailed",
+    "Upstream",
+    "UpstreamBroken",
+    "UpstreamError",
+    "UpstreamFailure",
+    "UpstreamResponse",
+    "UpstreamTimeout",
+    "build_head",
+]
+
+# What aiohttp's response side raises (its client errors, the C parser's errors, a socket
+# error under a read): translated here, in the one place that knows aiohttp's types.
+_AIOHTTP_FAILURES: Final = (ClientError, HttpProcessingError, OSError)
 
 _CRLF: Final = "\r\n"
 _NO_BODY_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
@@ -83,7 +104,7 @@ class _Endpoint:
 
 
 class UpstreamResponse:
-    """A response whose head has arrived; `content` streams its body."""
+    """A response whose head has arrived; `read` streams its body."""
 
     __slots__ = ("_deadline", "_endpoint", "_owner", "_proto", "content", "message")
 
@@ -107,6 +128,19 @@ class UpstreamResponse:
     @property
     def status(self) -> int:
         return self.message.code
+
+    async def read(self) -> bytes:
+        """The next piece of the body as it arrives; b"" at its end.
+
+        Raises UpstreamTimeout when no byte came within the idle timeout (or the total
+        deadline passed), UpstreamBroken when the body broke off.
+        """
+        try:
+            return await self.content.readany()
+        except TimeoutError as exc:
+            raise UpstreamTimeout(type(exc).__name__) from exc
+        except _AIOHTTP_FAILURES as exc:
+            raise UpstreamBroken(type(exc).__name__) from exc
 
     @property
     def reason(self) -> str:
@@ -194,21 +228,22 @@ class Upstream:
     ) -> UpstreamResponse:
         """Send one request and wait for its response head.
 
-        Raises ConnectFailed when no connection could be made (nothing was sent), TimeoutError
-        when the head did not come within ttfb_s (or total_s), and UpstreamBroken, aiohttp's
-        ClientError or HttpProcessingError when the backend broke the exchange after it was
-        sent.
+        Raises ConnectFailed when no connection could be made (nothing was sent),
+        UpstreamTimeout when the head did not come within ttfb_s (or total_s), and
+        UpstreamError when the backend broke the exchange after it was sent; ValueError for
+        a header that would split the request head (before anything is sent).
         """
         endpoint = self._endpoints.get(url)
         if endpoint is None:
             endpoint = self._endpoints[url] = _Endpoint(url)
             self._schedule_sweep()  # drops it again if no connection ever gets pooled
+        # Built first: a head that cannot be sent must not cost a connection.
+        head = build_head(method, target, headers, endpoint.host_header, body)
         loop = asyncio.get_running_loop()
         proto = self._take_idle(endpoint, loop.time())
         if proto is None:
             proto = await self._connect(endpoint, loop, connect_s)
         self.active += 1
-        head = build_head(method, target, headers, endpoint.host_header, body)
         deadline = None
         try:
             head_only = method == "HEAD"
@@ -237,11 +272,18 @@ class Upstream:
                 # The same error a read timeout raises, for the head or for the body.
                 deadline = loop.call_later(total_s, proto._on_read_timeout)
             while True:
-                message, content = await proto.read()
+                try:
+                    message, content = await proto.read()
+                except UpstreamFailure:
+                    raise
+                except TimeoutError as exc:
+                    raise UpstreamTimeout(type(exc).__name__) from exc
+                except _AIOHTTP_FAILURES as exc:
+                    raise UpstreamError(type(exc).__name__) from exc
                 if message.code == 101:
                     # The gateway relays HTTP/1.1 only; going on after a protocol switch
                     # would read the new protocol's bytes as HTTP.
-                    raise UpstreamBroken("the backend switched protocols (101)")
+                    raise UpstreamError("switched protocols (101)")
                 # 1xx answers are interim; the real response follows on the connection.
                 if not 100 <= message.code <= 199:
                     break

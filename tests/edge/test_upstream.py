@@ -9,11 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from gateway.edge.upstream import ConnectFailed, Upstream, build_head
+from gateway.edge.upstream import (
+    ConnectFailed,
+    Upstream,
+    UpstreamBroken,
+    UpstreamError,
+    UpstreamFailure,
+    UpstreamTimeout,
+    build_head,
+)
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 
@@ -87,7 +97,9 @@ async def get(client: Upstream, url: str, **kw: object) -> tuple[int, bytes]:
         total_s=kw.get("total_s"),  # type: ignore[arg-type]
     )
     try:
-        body = await resp.content.read()
+        body = b""
+        while chunk := await resp.read():
+            body += chunk
     except BaseException:
         resp.close()
         raise
@@ -201,7 +213,7 @@ async def test_total_deadline_breaks_a_slow_body(upstream: Upstream) -> None:
             await asyncio.sleep(0.02)
 
     async with RawServer(trickle) as server:
-        with pytest.raises(TimeoutError):
+        with pytest.raises(UpstreamTimeout):
             await get(upstream, server.url, total_s=0.3)
         await asyncio.sleep(0.1)
         assert server.closed == 1  # the connection was closed, not pooled
@@ -321,3 +333,133 @@ async def test_ipv6_backend(upstream: Upstream) -> None:
     finally:
         server.close()
         await server.wait_closed()
+
+
+# -- every failure mode, in the gateway's own types ------------------------------------------
+
+
+async def _close(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    writer.close()
+
+
+def _send(data: bytes, *later: bytes, then_close: bool = True, hold_s: float = 0.0) -> Script:
+    """Write `data`, then each of `later` after a pause (so the client has the head by
+    then), then hold the connection and close it."""
+
+    async def script(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(data)
+        await writer.drain()
+        for part in later:
+            await asyncio.sleep(0.05)
+            writer.write(part)
+            await writer.drain()
+        if hold_s:
+            await asyncio.sleep(hold_s)
+        if then_close:
+            writer.close()
+
+    return script
+
+
+def _reset_after(data: bytes) -> Script:
+    async def script(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(data)
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        sock = writer.get_extra_info("socket")
+        # SO_LINGER 0: close() sends a RST instead of a FIN.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()
+
+    return script
+
+
+_HEAD = b"HTTP/1.1 200 OK\r\n"
+FAILURES: list[tuple[str, Script, type[UpstreamFailure]]] = [
+    ("closed before the head", _close, UpstreamError),
+    ("not HTTP", _send(b"SSH-2.0-OpenSSH_9.6\r\n\r\n"), UpstreamError),
+    ("a bad status line", _send(b"HTTP/1.1 2x0 OK\r\n\r\n"), UpstreamError),
+    ("half a head, then close", _send(b"HTTP/1.1 200 OK\r\nContent-Le"), UpstreamError),
+    (
+        "a header line past the limit",
+        _send(_HEAD + b"X: " + b"a" * 9000 + b"\r\n\r\n"),
+        UpstreamError,
+    ),
+    (
+        "switched protocols",
+        _send(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\n\r\n"),
+        UpstreamError,
+    ),
+    (
+        "endless interim answers",
+        _send(b"HTTP/1.1 100 Continue\r\n\r\n" * 200, hold_s=1),
+        UpstreamError,
+    ),
+    ("a reset before the head", _reset_after(b""), UpstreamError),
+    ("no head in time", _send(b"", then_close=False, hold_s=3), UpstreamTimeout),
+    ("closed mid-body", _send(_HEAD + b"Content-Length: 10\r\n\r\nabc"), UpstreamBroken),
+    (
+        "a bad chunk size in the first packet",
+        _send(_HEAD + b"Transfer-Encoding: chunked\r\n\r\nzz\r\nab\r\n"),
+        UpstreamError,  # the parse fails before the head is handed over: a 502
+    ),
+    (
+        "a bad chunk size after the head",
+        _send(_HEAD + b"Transfer-Encoding: chunked\r\n\r\n2\r\nab\r\n", b"zz\r\nab\r\n"),
+        UpstreamBroken,
+    ),
+    (
+        "chunked, closed before the last chunk",
+        _send(_HEAD + b"Transfer-Encoding: chunked\r\n\r\n2\r\nab\r\n"),
+        UpstreamBroken,
+    ),
+    ("a reset mid-body", _reset_after(_HEAD + b"Content-Length: 10\r\n\r\nabc"), UpstreamBroken),
+    (
+        "silent mid-body past the idle timeout",
+        _send(_HEAD + b"Content-Length: 10\r\n\r\nabc", then_close=False, hold_s=3),
+        UpstreamTimeout,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("script", "expected"), [f[1:] for f in FAILURES], ids=[f[0] for f in FAILURES]
+)
+async def test_every_failure_is_one_of_the_gateways_types(
+    upstream: Upstream, script: Script, expected: type[UpstreamFailure]
+) -> None:
+    """The proxy decides status and outcome from these types alone (it imports no aiohttp
+    exception): whatever the backend does, nothing else may come out of the client."""
+    async with RawServer(script) as server:
+        with pytest.raises(Exception) as caught:
+            resp = await upstream.request(
+                server.url,
+                "POST",
+                "/generate",
+                [],
+                b"{}",
+                connect_s=1,
+                ttfb_s=0.5,
+                total_s=None,
+            )
+            resp.set_idle_timeout(0.3)
+            try:
+                while await resp.read():
+                    pass
+            finally:
+                resp.close()
+        assert type(caught.value) is expected, repr(caught.value)
+        assert caught.value.cause
+    assert upstream.pool_state() == (0, 0)
+
+
+async def test_a_refused_connect_and_a_total_deadline_are_the_gateways_types(
+    upstream: Upstream,
+) -> None:
+    async with RawServer(answer_ok) as server:
+        url = server.url
+    with pytest.raises(ConnectFailed):
+        await get(upstream, url)
+    async with RawServer(_send(b"", then_close=False, hold_s=3)) as server:
+        with pytest.raises(UpstreamTimeout):
+            await get(upstream, server.url, total_s=0.3)

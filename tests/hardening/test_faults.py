@@ -19,7 +19,7 @@ from gateway.app import Gateway
 from gateway.testing.stub import StubBackend
 from tests.conftest import GatewayFactory, admin_url, gw_url, wait_for
 from tests.hardening.checks import assert_no_internals, fd_count, vmrss_kib
-from tests.hardening.rawnet import FaultBackend
+from tests.hardening.rawnet import FaultBackend, ScriptedBackend
 
 ROOT = Path(__file__).resolve().parents[2]
 JSON = {"Content-Type": "application/json"}
@@ -77,6 +77,44 @@ async def test_backend_short_body_is_a_broken_transfer(
                 assert r.status == 200
                 await r.read()
         assert backend.requests == 1
+    finally:
+        await backend.stop()
+
+
+class _BadChunkAfterHead(ScriptedBackend):
+    """A streamed answer whose second chunk has a size that is not hex, sent after the
+    first chunk has been relayed: the parser fails mid-body."""
+
+    async def answer(self, head: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n8\r\ndata: 1\n\r\n"
+        )
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        writer.write(b"zz\r\ndata: 2\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(5)  # keeps the connection open: only the parse can end it
+        return False
+
+
+async def test_a_bad_chunk_mid_body_aborts_the_client_transfer_at_once(
+    make_gateway: GatewayFactory, session: aiohttp.ClientSession
+) -> None:
+    """No idle or total timeout configured: the parse error alone must end the relay,
+    visibly to the client (no terminal chunk), instead of holding it until the backend
+    closes."""
+    backend = _BadChunkAfterHead()
+    url = await backend.start()
+    try:
+        gw = await make_gateway(url, backends={"health": {"enabled": False}})
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(aiohttp.ClientPayloadError):
+            async with session.post(gw_url(gw, "/generate"), data=OK, headers=JSON) as r:
+                assert r.status == 200
+                await r.read()
+        assert asyncio.get_running_loop().time() - started < 2
+        await settle(lambda: gw.proxy is not None and gw.proxy.inflight == 0)
     finally:
         await backend.stop()
 
