@@ -12,11 +12,15 @@ fi
 stamp=".venv/.installed-${EXTRAS:-base}"
 fresh() { [ -f "$1" ] && [ ! pyproject.toml -nt "$1" ]; }
 # A dev install includes the base one.
-if fresh "$stamp" || { [ -z "${EXTRAS:-}" ] && fresh .venv/.installed-dev; }; then
-  exit 0
+if ! { fresh "$stamp" || { [ -z "${EXTRAS:-}" ] && fresh .venv/.installed-dev; }; }; then
+  .venv/bin/python -m pip install -q --disable-pip-version-check -U pip
+  spec="."
+  [ -n "${EXTRAS:-}" ] && spec=".[${EXTRAS}]"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e "$spec"
+  touch "$stamp"
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check -U pip
-spec="."
-[ -n "${EXTRAS:-}" ] && spec=".[${EXTRAS}]"
-.venv/bin/python -m pip install -q --disable-pip-version-check -e "$spec"
-touch "$stamp"
+# scripts/validate-deploy.sh also needs kubectl and helm, which are no Python packages;
+# this puts pinned ones in .venv/bin (and does nothing once they are there).
+case ",${EXTRAS:-}," in
+  *,dev,* | *,deploy,*) scripts/install-k8s-tools.sh ;;
+esac

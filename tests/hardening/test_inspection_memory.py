@@ -30,7 +30,7 @@ from tests.conftest import (
 )
 
 MIB = 1 << 20
-SIDECAR_LIMIT = 1024 * MIB  # docker/k8s/sidecar/deployment.yaml
+SIDECAR_LIMIT = 1024 * MIB  # deploy/kubernetes/overlays/sidecar/deployment-patch.yaml
 
 
 def dense_body(size: int) -> bytes:
