@@ -91,6 +91,9 @@ for cfg in "${configs[@]}"; do
   fi
 done
 
+echo "-- kubectl kustomize deploy/monitoring"
+kubectl kustomize deploy/monitoring >/dev/null
+
 # Optional extras for the compose file, used only where installed.
 if docker compose version >/dev/null 2>&1; then
   echo "-- docker compose config"
