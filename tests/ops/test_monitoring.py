@@ -35,6 +35,7 @@ RULES = MONITORING / "rules.yaml"
 DASHBOARD = MONITORING / "dashboard.json"
 RENDER = ROOT / "scripts" / "render-dashboard.py"
 JOB = "sglang-gateway"
+WORKERS_JOB = "sglang-gateway-workers"
 OPERATOR = "op-key-monitoring"
 JSON = {"Content-Type": "application/json"}
 PLAIN = orjson.dumps({"text": "hi", "sampling_params": {"top_k": 2}})
@@ -218,8 +219,23 @@ class Prometheus:
 @contextlib.asynccontextmanager
 async def prometheus(tmp_path: Path, admin_port: int) -> AsyncIterator[str]:
     """Debian's prometheus on its own port and storage, scraping the admin listener every
-    second and evaluating rules.yaml every second."""
+    second and evaluating rules.yaml every second.
+
+    Two more scrape jobs read the same listener into job WORKERS_JOB, one labelling it
+    worker="0" and the other worker="1": the series a `--workers 2` gateway exposes (its
+    supervisor adds `worker` to every sample), for queries that must not double count or
+    fail to match with them.
+    """
     port = free_port()
+    target = f"127.0.0.1:{admin_port}"
+    workers = [
+        {
+            "job_name": f"{WORKERS_JOB}-{w}",
+            "static_configs": [{"targets": [target], "labels": {"worker": str(w)}}],
+            "relabel_configs": [{"target_label": "job", "replacement": WORKERS_JOB}],
+        }
+        for w in range(2)
+    ]
     config = tmp_path / "prometheus.yml"
     config.write_text(
         yaml.safe_dump(
@@ -227,7 +243,8 @@ async def prometheus(tmp_path: Path, admin_port: int) -> AsyncIterator[str]:
                 "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
                 "rule_files": [str(RULES)],
                 "scrape_configs": [
-                    {"job_name": JOB, "static_configs": [{"targets": [f"127.0.0.1:{admin_port}"]}]}
+                    {"job_name": JOB, "static_configs": [{"targets": [target]}]},
+                    *workers,
                 ],
             }
         )
@@ -336,6 +353,32 @@ async def backends_known(session: aiohttp.ClientSession, admin: str, n: int) -> 
             await asyncio.sleep(0.1)
 
 
+Results = dict[str, list[dict[str, Any]]]
+
+
+async def panel_data(prom: Prometheus, values: dict[str, str], at: float) -> Results:
+    """Every panel's series, by title; each target must return data, not only NaN."""
+    results: Results = {}
+    for panel in panels():
+        got = results.setdefault(panel["title"], [])
+        for target in panel["targets"]:
+            result = await prom.query(substitute(target["expr"], values), at)
+            assert result, f"{panel['title']}: no data for {target['expr']} with {values}"
+            assert any(not math.isnan(float(s["value"][1])) for s in result), (
+                panel["title"],
+                result,
+            )
+            got.extend(result)
+    return results
+
+
+def values_of(results: Results, title: str, **labels: str) -> list[float]:
+    """The values of the panel's series that carry these labels (there must be some)."""
+    found = [float(s["value"][1]) for s in results[title] if labels.items() <= s["metric"].items()]
+    assert found, (title, labels, results[title])
+    return found
+
+
 async def test_every_panel_has_data_from_a_live_gateway(tmp_path: Path) -> None:
     promtool = tool("promtool")
     tool("prometheus")
@@ -365,7 +408,8 @@ async def test_every_panel_has_data_from_a_live_gateway(tmp_path: Path) -> None:
             aiohttp.ClientSession() as session,
         ):
             base = f"http://127.0.0.1:{gw.port}"
-            admin = f"http://127.0.0.1:{gw.admin}"
+            target = f"127.0.0.1:{gw.admin}"
+            admin = f"http://{target}"
             prom = Prometheus(session, prom_url)
             await backends_known(session, admin, 2)
             async with asyncio.timeout(10):
@@ -385,62 +429,56 @@ async def test_every_panel_has_data_from_a_live_gateway(tmp_path: Path) -> None:
             await asyncio.sleep(2.5)  # two more scrapes and rule evaluations
             now = time.time()
 
-            # The variables as Grafana resolves them, then every panel query with them.
+            # The variables as Grafana resolves them, then every panel query with them:
+            # for each job alone, and for "All".
             found = variables()
             jobs = await prom.label_values(found["job"]["query"])
-            assert jobs == [JOB]
-            values = {"job": grafana_regex(jobs)}
-            instances = await prom.label_values(substitute(found["instance"]["query"], values))
-            assert instances == [f"127.0.0.1:{gw.admin}"]
-            values["instance"] = grafana_regex(instances)
+            assert sorted(jobs) == [JOB, WORKERS_JOB]
             # The whole run in one window, so a quantile sees every request.
             window = f"{math.ceil(now - began) + 2}s"
-            values |= {"__rate_interval": window, "__range": window, "__interval": "1s"}
-            results: dict[str, list[dict[str, Any]]] = {}
-            for panel in panels():
-                got = results.setdefault(panel["title"], [])
-                for target in panel["targets"]:
-                    result = await prom.query(substitute(target["expr"], values), now)
-                    assert result, f"{panel['title']}: no data for {target['expr']}"
-                    assert any(not math.isnan(float(s["value"][1])) for s in result), (
-                        panel["title"],
-                        result,
-                    )
-                    got.extend(result)
-
-            def seen(title: str, **labels: str) -> float:
-                """The largest value among the panel's series that carry these labels."""
-                matching = [
-                    float(s["value"][1])
-                    for s in results[title]
-                    if labels.items() <= s["metric"].items()
-                ]
-                assert matching, (title, labels, results[title])
-                return max(matching)
+            builtins = {"__rate_interval": window, "__range": window, "__interval": "1s"}
+            data: dict[str, Results] = {}
+            for job in jobs:
+                values = {"job": grafana_regex([job])}
+                instances = await prom.label_values(substitute(found["instance"]["query"], values))
+                assert instances == [target]
+                values["instance"] = grafana_regex(instances)
+                data[job] = await panel_data(prom, values | builtins, now)
+            every = {"job": found["job"]["allValue"], "instance": found["instance"]["allValue"]}
+            await panel_data(prom, every | builtins, now)
 
             # What the scripted traffic did shows where the panels say it does.
-            assert seen("Rejections by policy and reason", policy="sampling_mask") > 0
-            assert seen("Request outcomes", outcome="rejected:sampling_mask") > 0
-            assert seen("Request rate by route and status class", status_class="4xx") > 0
-            assert seen("Client disconnects by phase", phase="streaming") > 0
-            assert seen("Control calls by route and result", result="ok") > 0
-            assert seen("Control calls by route and result", result="forbidden") > 0
-            assert seen("Control calls by route and result", result="failed") > 0
+            def most(title: str, **labels: str) -> float:
+                return max(values_of(data[JOB], title, **labels))
+
+            assert most("Rejections by policy and reason", policy="sampling_mask") > 0
+            assert most("Request outcomes", outcome="rejected:sampling_mask") > 0
+            assert most("Request rate by route and status class", status_class="4xx") > 0
+            assert most("Client disconnects by phase", phase="streaming") > 0
+            for result in ("ok", "forbidden", "failed"):
+                assert most("Control calls by route and result", result=result) > 0
             errors = "Upstream errors by backend and cause"
-            assert seen(errors, backend=steady_url, cause="upstream_error") > 0
-            assert seen(errors, backend=doomed_url, cause="connect_failed") >= 0
-            assert seen("Upstream error ratio by backend", backend=steady_url) > 0
-            assert seen("Upstream time to first byte", route="/generate") > 0
-            assert seen("Backend pool by state", state="unhealthy") == 1
-            healthy = await prom.query(
-                f'sglang_gateway_backend_healthy{{backend="{doomed_url}"}}', now
+            assert most(errors, backend=steady_url, cause="upstream_error") > 0
+            # A single event: its series shows, its rate is 0 (no earlier sample).
+            assert values_of(data[JOB], errors, backend=doomed_url, cause="connect_failed")
+            assert most("Upstream error ratio by backend", backend=steady_url) > 0
+            assert most("Upstream time to first byte", route="/generate") > 0
+            for job in jobs:
+                # Per gateway, not per worker: one unhealthy backend, one routable.
+                assert values_of(data[job], "Backend pool by state", state="unhealthy") == [1]
+                assert values_of(data[job], "Routable backends") == [1]
+            # The backend that died: unhealthy now, ejected for a while, refused once.
+            doomed_sel = f'job="{JOB}", backend="{doomed_url}"'
+            refused = (
+                f'sglang_gateway_upstream_errors_total{{{doomed_sel}, cause="connect_failed"}}'
             )
-            assert [s["value"][1] for s in healthy] == ["0"]
-            ejected = await prom.query(
-                f'max_over_time(sglang_gateway_backend_ejected{{backend="{doomed_url}"}}[{window}])',
-                now,
-            )
-            assert [s["value"][1] for s in ejected] == ["1"]
+            checks = {
+                f"sglang_gateway_backend_healthy{{{doomed_sel}}}": "0",
+                f"max_over_time(sglang_gateway_backend_ejected{{{doomed_sel}}}[{window}])": "1",
+                f"clamp_max({refused}, 1)": "1",
+            }
+            for expr, expected in checks.items():
+                assert [s["value"][1] for s in await prom.query(expr, now)] == [expected], expr
 
             # The rules load and evaluate cleanly against real series.
             groups = (await prom.api("rules"))["groups"]
@@ -450,7 +488,14 @@ async def test_every_panel_has_data_from_a_live_gateway(tmp_path: Path) -> None:
             )
             assert all(r["health"] == "ok" for r in rules), rules
             routable = await prom.query("sglang_gateway:backends_routable:sum", now)
-            assert [s["value"][1] for s in routable] == ["1"]
+            assert sorted(
+                (s["metric"]["job"], s["metric"].get("worker", "")) for s in routable
+            ) == [
+                (JOB, ""),
+                (WORKERS_JOB, "0"),
+                (WORKERS_JOB, "1"),
+            ]
+            assert {s["value"][1] for s in routable} == {"1"}
 
             async with session.get(f"{admin}/metrics") as r:
                 scraped = await r.text()
@@ -469,7 +514,7 @@ async def test_every_panel_has_data_from_a_live_gateway(tmp_path: Path) -> None:
                 "--step=1",
                 "--scrape-interval=1",
                 f"--var=job={JOB}",
-                f"--var=instance={instances[0]}",
+                f"--var=instance={target}",
                 "--require-data",
             )
             assert drawn.returncode == 0, drawn.stdout + drawn.stderr
