@@ -150,7 +150,7 @@ def draw_timeseries(
             loc="upper left",
             bbox_to_anchor=(0, -0.12),
             ncol=2 if panel["gridPos"]["w"] <= 12 else 4,
-            fontsize=6,
+            fontsize=7,
             frameon=False,
         )
     else:
