@@ -425,6 +425,10 @@ async def test_every_panel_has_data_from_a_live_gateway(tmp_path: Path) -> None:
                 await stream
 
             await stopped(doomed)
+            # Time for the gateway to see its idle connections to it close (a request on one
+            # would fail as upstream_error, not be retried), well within the two probes
+            # that mark it unhealthy: the next request to it must be a refused connect.
+            await asyncio.sleep(0.1)
             await traffic(session, base, rounds=8)
             await asyncio.sleep(2.5)  # two more scrapes and rule evaluations
             now = time.time()
