@@ -281,6 +281,9 @@ if effective["helm-defaults.gateway.yaml"] != effective["config/ingress.yaml"]:
     sys.exit("validate-deploy: helm/defaults: the config differs in effect from config/ingress.yaml")
 EOF
 
+echo "-- kubectl kustomize deploy/monitoring"
+kubectl kustomize deploy/monitoring >/dev/null
+
 # Optional extras for the compose file, used only where installed.
 if docker compose version >/dev/null 2>&1; then
   echo "-- docker compose config"
