@@ -67,6 +67,7 @@ step "docker-compose config (Compose v1 $("$compose_v1" version --short))"
 # --- daemon -----------------------------------------------------------------------------
 
 dockerd_pid=""
+own_run_dir=""
 containers=()
 tmp=$(mktemp -d)
 cleanup() {
@@ -81,6 +82,8 @@ cleanup() {
     for _ in $(seq 60); do kill -0 "$dockerd_pid" 2>/dev/null || break; sleep 0.5; done
     kill -9 "$dockerd_pid" 2>/dev/null
     wait "$dockerd_pid" 2>/dev/null
+  fi
+  if [ -n "$own_run_dir" ]; then
     # dockerd leaves its namespace bind mounts behind.
     awk -v d="$RUN_DIR/" 'index($2, d) == 1 { print $2 }' /proc/mounts | sort -r | xargs -r umount
     rm -rf --one-file-system "$RUN_DIR"
@@ -95,6 +98,7 @@ if docker info >/dev/null 2>&1; then
 else
   [ "$(id -u)" = 0 ] || skip "no Docker daemon answers and only root can start one"
   mkdir -p "$STATE" "$RUN_DIR"
+  own_run_dir=1
   # One run at a time per data root: a second dockerd cannot share it.
   exec 9>"$STATE/lock"
   flock -w 1800 9 || fail "$STATE/lock still held after 30 min"
@@ -116,8 +120,10 @@ else
       sleep 0.5
     done
     docker info >/dev/null 2>&1 && break
-    why+="$driver: $(grep -E 'level=(fatal|error)' "$RUN_DIR/dockerd-$driver.log" | tail -n 2 | tr '\n' ' ')"
-    kill "$dockerd_pid" 2>/dev/null; wait "$dockerd_pid" 2>/dev/null || true
+    log="$RUN_DIR/dockerd-$driver.log"
+    why+="[$driver] $({ grep -E 'level=(fatal|error)' "$log" || tail -n 1 "$log"; } | tail -n 2 | tr '\n' ' ')"
+    kill "$dockerd_pid" 2>/dev/null || true
+    wait "$dockerd_pid" 2>/dev/null || true
     dockerd_pid=""
   done
   [ -n "$dockerd_pid" ] || skip "dockerd cannot run here: ${why:-no error logged}"
@@ -164,7 +170,7 @@ step "docker build (base $base, revision $revision)"
 build_start=$SECONDS
 # The classic builder: it works with any daemon and CLI, BuildKit needs buildx beside the
 # CLI. The host network, because the daemon may have no bridge; pip reaches PyPI through it.
-DOCKER_BUILDKIT=${DOCKER_BUILDKIT:-0} docker build -q --network host \
+DOCKER_BUILDKIT=${DOCKER_BUILDKIT:-0} docker build -q --force-rm --network host \
   --build-arg PYTHON_IMAGE="$base" --build-arg REVISION="$revision" \
   --build-arg VERSION="$version" --build-arg SOURCE="$source" \
   -f docker/Dockerfile -t "$IMAGE" . >/dev/null
@@ -189,7 +195,7 @@ said=$(docker run --rm --network none "$IMAGE" --version)
 installers=$(docker run --rm --network none --user 0:0 --entrypoint sh "$IMAGE" -c '
   find / -xdev \( -path "*-packages/pip" -o -path "*-packages/pip-*" \
     -o -path "*-packages/setuptools" -o -path "*-packages/setuptools-*" \
-    -o -path "*/bin/pip" -o -path "*/bin/pip[0-9]*" -o -path "*/bin/easy_install*" \) -print
+    -o -path "*/bin/pip" -o -path "*/bin/pip[0-9]*" -o -path "*/bin/easy_install*" \) -print -prune
   for py in /opt/venv/bin/python "$(readlink -f /opt/venv/bin/python)"; do
     for m in pip setuptools; do "$py" -c "import $m" 2>/dev/null && echo "$py: import $m"; done
   done; true')
