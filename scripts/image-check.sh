@@ -39,30 +39,44 @@ skip() {
 # --- tools ------------------------------------------------------------------------------
 
 [ "$(uname -s)" = Linux ] || skip "not Linux ($(uname -s))"
-missing=()
-command -v dockerd >/dev/null || missing+=(docker.io)
-command -v docker >/dev/null || missing+=(docker.io)
-[ -n "${PYTHON_IMAGE:-}" ] || command -v debootstrap >/dev/null || missing+=(debootstrap)
-command -v flock >/dev/null || missing+=(util-linux)
-compose_v1=""
-for c in $(type -ap docker-compose); do
-  case "$("$c" version --short 2>/dev/null)" in 1.*) compose_v1=$c; break ;; esac
-done
-[ -n "$compose_v1" ] || missing+=(docker-compose)
-if [ "${#missing[@]}" -gt 0 ]; then
-  mapfile -t missing < <(printf '%s\n' "${missing[@]}" | sort -u)
-  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
-    skip "missing ${missing[*]}, and no root apt-get to install them"
+daemon_up() { command -v docker >/dev/null && docker info >/dev/null 2>&1; }
+needed=()  # without these there is no image check
+wanted=()  # without these, only the Compose v1 check is skipped
+command -v docker >/dev/null || needed+=(docker.io)
+if ! daemon_up; then
+  command -v dockerd >/dev/null || needed+=(docker.io)
+  command -v flock >/dev/null || needed+=(util-linux)
+fi
+if [ -z "${PYTHON_IMAGE:-}" ] && ! command -v debootstrap >/dev/null \
+  && ! { daemon_up && docker image inspect "$BASE_LOCAL" >/dev/null 2>&1; }; then
+  needed+=(debootstrap)
+fi
+compose_v1() {
+  local c
+  for c in $(type -ap docker-compose); do
+    case "$("$c" version --short 2>/dev/null)" in 1.*) echo "$c"; return ;; esac
+  done
+}
+[ -n "$(compose_v1)" ] || wanted+=(docker-compose)
+if [ "$((${#needed[@]} + ${#wanted[@]}))" -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    mapfile -t pkgs < <(printf '%s\n' "${needed[@]}" "${wanted[@]}" | sort -u)
+    step "apt-get install ${pkgs[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      "${pkgs[@]}" >/dev/null
+  elif [ "${#needed[@]}" -gt 0 ]; then
+    skip "missing $(printf '%s\n' "${needed[@]}" | sort -u | tr '\n' ' ')and no root apt-get to install them"
   fi
-  step "apt-get install ${missing[*]}"
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-    "${missing[@]}" >/dev/null
-  [ -n "$compose_v1" ] || compose_v1=/usr/bin/docker-compose
 fi
 
-step "docker-compose config (Compose v1 $("$compose_v1" version --short))"
-"$compose_v1" -f docker/compose.yaml config --quiet
+v1=$(compose_v1)
+if [ -n "$v1" ]; then
+  step "docker-compose config (Compose v1 $("$v1" version --short))"
+  "$v1" -f docker/compose.yaml config --quiet
+else
+  step "docker-compose config (Compose v1): skipped, not installed and no root apt-get"
+fi
 
 # --- daemon -----------------------------------------------------------------------------
 
