@@ -403,6 +403,30 @@ async def test_a_backend_dying_mid_body_fails_both_spans(
     assert _attrs(server.attributes)["gateway.outcome"] == "upstream_broken"
 
 
+async def test_a_control_call_has_an_upstream_span_per_backend(
+    stubs: list[StubBackend],
+    make_gateway: GatewayFactory,
+    collector: Collector,
+    session: aiohttp.ClientSession,
+) -> None:
+    gw = await traced_gateway(make_gateway, collector, *(b.url for b in stubs))
+    async with session.post(
+        gw_url(gw, "/flush_cache"), headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"}
+    ) as r:
+        assert r.status == 200
+    await gw.tracer.flush()
+
+    spans = collector.trace(TRACE_ID)
+    server = one(spans, "POST /flush_cache")
+    upstreams = [s for s in spans if s.name == "upstream"]
+    assert {_attrs(s.attributes)["gateway.backend"] for s in upstreams} == {b.url for b in stubs}
+    assert all(s.parent_span_id == server.span_id for s in upstreams)
+    # Each engine saw the span of its own call.
+    for b in stubs:
+        got = next(x for x in reversed(b.received) if x.path == "/flush_cache")
+        assert parent_of(got.headers["traceparent"]) in [ids(s) for s in upstreams]
+
+
 # -- sampling, flushing, and tracing off --------------------------------------------------
 
 
