@@ -33,7 +33,7 @@ from gateway.fleet.discovery import Resolver
 from gateway.fleet.membership import Fleet
 from gateway.fleet.pool import BackendPool
 from gateway.fleet.shared import SharedState
-from gateway.ops import logs
+from gateway.ops import logs, tracing
 from gateway.ops.admin import make_admin_app
 from gateway.ops.lifecycle import hold_lifeline, read_reload, watch_mtime
 from gateway.ops.metrics import FleetCollector, Metrics
@@ -126,9 +126,9 @@ def _max_connections(cfg: GatewayConfig) -> int:
     return configured if configured is not None else default_max_client_connections()
 
 
-def make_upstream(cfg: GatewayConfig) -> Upstream:
+def make_upstream(cfg: GatewayConfig, cls: type[Upstream] = Upstream) -> Upstream:
     """The request path's pooled upstream client."""
-    return Upstream(
+    return cls(
         # Shorter than uvicorn's 5 s idle timeout, so the gateway never sends a request on a
         # pooled connection the backend is closing (the keep-alive race).
         keepalive_s=cfg.timeouts.upstream_keepalive_s,
@@ -166,6 +166,7 @@ class Gateway:
         )
         self.proxy: Proxy | None = None
         self.metrics: Metrics | None = None
+        self.tracer: tracing.Tracer = tracing.NO_TRACING
         self._reload_lock = asyncio.Lock()
 
     @property
@@ -203,6 +204,8 @@ class Gateway:
 
     async def start(self, *, reuse_port: bool = False, shared: SharedState | None = None) -> None:
         cfg = self.cfg
+        # First: without the otel extra this refuses to start before anything is open.
+        self.tracer = tracing.build(cfg.tracing)
         install_log_redaction()
         self._session = make_session(cfg)
         self.metrics = Metrics(
@@ -212,11 +215,16 @@ class Gateway:
         observers: list[Observer] = [self.metrics]
         if cfg.logging.access_log:
             observers.append(AccessLog(cfg.logging.format, logs.access_writer()))
-        self._upstream = make_upstream(cfg)
-        self.proxy = Proxy(proxy_settings(cfg), self._upstream, self.fleet, observers)
+        if self.tracer.observer is not None:
+            # First, so the access log line carries the trace id the spans went out with.
+            observers.insert(0, self.tracer.observer)
+        self._upstream = make_upstream(cfg, self.tracer.upstream_type)
+        self.proxy = Proxy(
+            proxy_settings(cfg), self._upstream, self.fleet, observers, tracer=self.tracer
+        )
 
         server = ClientServer(
-            self.proxy.handle,
+            self.tracer.serve(self.proxy.handle),
             max_connections=_max_connections(cfg),
             # A client that goes away cancels its handler, which closes the upstream request.
             handler_cancellation=True,
@@ -343,6 +351,8 @@ class Gateway:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        await self.tracer.shutdown()  # the drained requests' spans
+        self.tracer = tracing.NO_TRACING
         logs.flush()  # the drained requests' lines, before the process exits
 
 

@@ -8,6 +8,7 @@ prompt takes time), large bodies (RL rollouts send token-id lists), no total dea
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import os
 from collections.abc import Mapping
@@ -348,6 +349,67 @@ class LoggingConfig(_Model):
     format: Literal["json", "text"] = "json"
 
 
+# What tracing.enabled needs (the otel extra); looked up without importing them, so a base
+# install never loads opentelemetry.
+TRACING_MODULES: Final = (
+    "opentelemetry.sdk.trace",
+    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+)
+TRACING_INSTALL: Final = "pip install 'sglang-gateway[otel]'"
+
+
+def missing_tracing_module() -> str | None:
+    """The first module of TRACING_MODULES that cannot be imported, or None."""
+    for name in TRACING_MODULES:
+        try:
+            if importlib.util.find_spec(name) is None:
+                return name
+        except ImportError:  # a parent package is missing
+            return name
+    return None
+
+
+def _otlp_endpoint(value: str) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("must be an http:// or https:// URL (OTLP/HTTP, e.g. .../v1/traces)")
+    try:
+        parts.port  # noqa: B018 - raises for an invalid port
+    except ValueError as exc:
+        raise ValueError("has an invalid port") from exc
+    return value
+
+
+class TracingConfig(_Model):
+    """OpenTelemetry spans for each request, exported over OTLP/HTTP (the otel extra)."""
+
+    enabled: bool = False
+    # The collector's OTLP/HTTP traces URL, signal path included.
+    endpoint: Annotated[str, AfterValidator(_otlp_endpoint)] = "http://127.0.0.1:4318/v1/traces"
+    service_name: Annotated[str, Field(min_length=1, max_length=255)] = "sglang-gateway"
+    # Share of new traces recorded; a request that arrives with a traceparent follows its
+    # sampled flag instead (parent-based), so a trace is never recorded in part.
+    sample_ratio: Annotated[float, Field(ge=0, le=1)] = 1.0
+    # Sent with every export (a collector's or vendor's credentials): secrets, never printed.
+    headers: dict[str, SecretStr] = Field(default_factory=dict)
+    # One export request's deadline; also bounds the final flush when the gateway stops.
+    timeout_s: Annotated[float, Field(gt=0, le=300)] = 10.0
+
+    @model_validator(mode="after")
+    def _usable(self) -> TracingConfig:
+        for name, value in self.headers.items():
+            if not name or not header_safe(name) or not header_safe(value.get_secret_value()):
+                raise ValueError("headers must be one-line names and values")
+        if self.enabled:
+            missing = missing_tracing_module()
+            if missing is not None:
+                raise ValueError(
+                    f"tracing.enabled needs the otel extra ({missing} is not installed): "
+                    f"{TRACING_INSTALL}"
+                )
+        return self
+
+
 class GatewayConfig(_Model):
     listen: ListenConfig = ListenConfig()
     admin: AdminConfig = AdminConfig()
@@ -362,14 +424,17 @@ class GatewayConfig(_Model):
     routing: RoutingConfig = RoutingConfig()
     logging: LoggingConfig = LoggingConfig()
     reload: ReloadConfig = ReloadConfig()
+    tracing: TracingConfig = TracingConfig()
 
 
-# Settings that need new sockets or a new connection pool: a reload cannot change them.
+# Settings that need new sockets, a new connection pool or a new exporter: a reload cannot
+# change them.
 RESTART_ONLY: Final = (
     "listen",
     "admin",
     "limits.max_header_bytes",
     "timeouts.upstream_keepalive_s",
+    "tracing",
 )
 
 

@@ -72,6 +72,7 @@ from gateway.fleet.membership import Fleet
 from gateway.fleet.pool import Backend, Fit
 from gateway.ops.observe import USER_AGENT_MAX, Exchange, Observer
 from gateway.ops.redact import describe
+from gateway.ops.tracing import NO_TRACING, Tracer
 from gateway.runtime import Unstoppable
 
 USER_AGENT: Final = "User-Agent"
@@ -148,6 +149,7 @@ class Proxy:
         upstream: Upstream,
         fleet: Fleet,
         observers: Sequence[Observer] = (),
+        tracer: Tracer = NO_TRACING,
     ) -> None:
         self.settings = settings
         self._upstream = upstream
@@ -164,6 +166,9 @@ class Proxy:
         # to its owner alone.
         self.owners: dict[str, str] = {}
         self._idle: asyncio.Event | None = None  # only while someone waits for idleness
+        # NO_TRACING hands back the functions themselves: nothing to check per request.
+        self._inspect_body = tracer.inspection(inspect_body)
+        self._inspect_large = tracer.inspection_async(inspect_large)
 
     async def wait_idle(self) -> None:
         """Return once no request is in flight (the drain waits on this)."""
@@ -272,7 +277,7 @@ class Proxy:
             if len(body) < SKIM_MIN_BODY and budget.try_acquire(cost):
                 # Most bodies: inspected at once, with no await on the way.
                 try:
-                    verdict = inspect_body(
+                    verdict = self._inspect_body(
                         route.kind,
                         body,
                         settings.admission,
@@ -282,7 +287,7 @@ class Proxy:
                 finally:
                     budget.release(cost)
             else:
-                verdict = await inspect_large(
+                verdict = await self._inspect_large(
                     route.kind,
                     body,
                     settings.admission,

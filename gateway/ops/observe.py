@@ -51,7 +51,9 @@ class Exchange:
     path: str = ""
     http_version: str = ""
     user_agent: str = ""  # truncated to USER_AGENT_MAX characters
-    traceparent: str = ""  # W3C trace context, as sent; only its trace id is logged
+    # W3C trace context, as sent (with tracing on: the gateway's server span, in the client's
+    # trace where it sent a valid one); only its trace id is logged.
+    traceparent: str = ""
     first_byte: float | None = None  # perf_counter when upstream headers arrived
     finished: float | None = None
 
