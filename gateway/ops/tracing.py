@@ -29,7 +29,7 @@ from gateway import build as build_info
 from gateway.config import TRACING_INSTALL, TracingConfig
 from gateway.contract.policy import MaskDemand, Rejection
 from gateway.contract.replies import Outcome
-from gateway.edge.failures import ConnectFailed
+from gateway.edge.failures import ConnectFailed, UpstreamFailure, UpstreamTimeout
 from gateway.edge.upstream import Upstream, UpstreamResponse
 from gateway.ops.observe import Exchange, Observer
 
@@ -422,13 +422,16 @@ class TracedUpstream(Upstream):
             span.add_event("connect_failed", {"gateway.cause": exc.cause})
             _failed(span, error, "connect_failed")
             raise
-        except TimeoutError:
+        except UpstreamTimeout:
             _failed(span, error, "timeout")
+            raise
+        except UpstreamFailure as exc:
+            _failed(span, error, exc.cause)
             raise
         except asyncio.CancelledError:  # the client left: not the backend's failure
             _abandoned(span)
             raise
-        except Exception as exc:
+        except Exception as exc:  # a head that could not be sent (ValueError)
             _failed(span, error, type(exc).__name__)
             raise
         req.answered(span, resp.status)
