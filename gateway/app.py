@@ -22,6 +22,7 @@ from gateway import runtime
 from gateway.config import GatewayConfig, header_safe
 from gateway.contract.policy import AdmissionRules, Mode, ParallelSampleCap, SamplingMaskRule
 from gateway.contract.routes import RouteTable
+from gateway.edge import tracing
 from gateway.edge.aio import ClientServer
 from gateway.edge.auth import ApiKeys, read_keys_file
 from gateway.edge.clients import AiohttpClients, make_session
@@ -33,7 +34,7 @@ from gateway.fleet.discovery import Resolver
 from gateway.fleet.membership import Fleet
 from gateway.fleet.pool import BackendPool
 from gateway.fleet.shared import SharedState
-from gateway.ops import logs, tracing
+from gateway.ops import logs
 from gateway.ops.admin import make_admin_app
 from gateway.ops.lifecycle import hold_lifeline, read_reload, watch_mtime
 from gateway.ops.metrics import FleetCollector, Metrics

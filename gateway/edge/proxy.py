@@ -59,6 +59,7 @@ from gateway.edge.headers import (
     ForwardedHeaders,
     valid_request_id,
 )
+from gateway.edge.tracing import NO_TRACING, Tracer
 from gateway.edge.upstream import (
     ConnectFailed,
     Upstream,
@@ -72,7 +73,6 @@ from gateway.fleet.membership import Fleet
 from gateway.fleet.pool import Backend, Fit
 from gateway.ops.observe import USER_AGENT_MAX, Exchange, Observer
 from gateway.ops.redact import describe
-from gateway.ops.tracing import NO_TRACING, Tracer
 from gateway.runtime import Unstoppable
 
 USER_AGENT: Final = "User-Agent"

@@ -29,7 +29,7 @@ from gateway.app import Gateway
 from gateway.contract.inspection import inspect_body
 from gateway.edge.admission import inspect_large
 from gateway.edge.upstream import Upstream
-from gateway.ops import tracing
+from gateway.edge import tracing
 from gateway.testing.stub import StubBackend
 from tests.conftest import ROOT, GatewayFactory, free_port, gw_url, last_proxied, proxied
 
