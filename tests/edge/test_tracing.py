@@ -27,9 +27,9 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 from gateway import config as config_mod
 from gateway.app import Gateway
 from gateway.contract.inspection import inspect_body
+from gateway.edge import tracing
 from gateway.edge.admission import inspect_large
 from gateway.edge.upstream import Upstream
-from gateway.edge import tracing
 from gateway.testing.stub import StubBackend
 from tests.conftest import ROOT, GatewayFactory, free_port, gw_url, last_proxied, proxied
 
