@@ -43,6 +43,7 @@ class Backend:
         "connect_failures",
         "ejected_until",
         "ejections",
+        "ejections_total",
         "errors_5xx",
         "health",
         "inflight",
@@ -66,6 +67,7 @@ class Backend:
         self.connect_failures = 0  # consecutive refused/timed-out connects
         self.errors_5xx = 0  # consecutive 5xx answers
         self.ejections = 0  # consecutive ejections, for the back-off
+        self.ejections_total = 0  # every ejection that took it out, for the metric
         self.ejected_until = 0.0
         self.removed = False  # dropped from membership; in-flight requests still finish
         # Engine state set by control calls through the gateway (gateway/edge/control.py):
@@ -397,5 +399,6 @@ class BackendPool:
         period = min(p.max_eject_s, p.base_eject_s * (2 ** min(b.ejections, 16)))
         if b.ejected_until <= now:
             log.warning("backend %s: ejected for %.1fs (%s)", b.url, period, why)
+            b.ejections_total += 1
         b.ejections += 1
         b.ejected_until = now + period

@@ -178,7 +178,7 @@ class _BackendCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         families = self._families()
-        members, healthy, state, ejected, inflight, weights, info = families
+        members, healthy, state, ejected, ejections, inflight, weights, info = families
         counts = dict.fromkeys((h.value for h in Health), 0)
         pool = self._pool
         for b in pool.backends:
@@ -189,6 +189,7 @@ class _BackendCollector(Collector):
             state.add_metric([b.url, "paused"], 1.0 if b.paused else 0.0)
             state.add_metric([b.url, "asleep"], 1.0 if b.asleep else 0.0)
             ejected.add_metric([b.url], 1.0 if pool.ejected(b) else 0.0)
+            ejections.add_metric([b.url], float(b.ejections_total))
             inflight.add_metric([b.url], float(b.inflight))
             if b.weight_version is not None:
                 weights.add_metric([b.url, b.weight_version], 1.0)
@@ -204,6 +205,7 @@ class _BackendCollector(Collector):
         GaugeMetricFamily,
         GaugeMetricFamily,
         GaugeMetricFamily,
+        CounterMetricFamily,
         GaugeMetricFamily,
         GaugeMetricFamily,
         GaugeMetricFamily,
@@ -231,6 +233,12 @@ class _BackendCollector(Collector):
             GaugeMetricFamily(
                 p + "backend_ejected",
                 "1 while the backend is passively ejected after a refused connection.",
+                labels=["backend"],
+            ),
+            CounterMetricFamily(
+                p + "backend_ejections",
+                "Passive ejections of the backend (each time it was taken out, not each "
+                "extension): reliable where the backend_ejected gauge changes between scrapes.",
                 labels=["backend"],
             ),
             GaugeMetricFamily(
@@ -302,6 +310,12 @@ class Metrics(Collector):
             "response headers, streaming: during the body).",
             ["phase"],
         )
+        self.upstream_responses = _Counter(
+            "upstream_responses",
+            "Response heads relayed from a backend, by backend and status class: a backend's "
+            "own 5xx shows here, apart from the gateway's 502/503/504.",
+            ["backend", "status_class"],
+        )
         self.ttfb = _Histogram(
             "upstream_ttfb_seconds",
             "Time from request start to upstream response headers.",
@@ -332,6 +346,7 @@ class Metrics(Collector):
             self.upstream_retries,
             self.upstream_errors,
             self.client_disconnects,
+            self.upstream_responses,
             self.ttfb,
             self.duration,
             self.bytes_in,
@@ -361,6 +376,8 @@ class Metrics(Collector):
             self.upstream_attempts.inc(key, 0.0)
             for cause in _UPSTREAM_CAUSES:
                 self.upstream_errors.inc((b.url, cause), 0.0)
+            for status_class in ("2xx", "4xx", "5xx"):
+                self.upstream_responses.inc((b.url, status_class), 0.0)
         for series in self._series:
             yield series.family()
         yield GaugeMetricFamily(
@@ -392,6 +409,8 @@ class Metrics(Collector):
                 self.upstream_errors.inc((ex.backend, outcome.value))
         if ex.first_byte is not None:
             self.ttfb.observe(route, ex.first_byte - ex.started)
+            if ex.backend:
+                self.upstream_responses.inc((ex.backend, _status_class(ex.status)))
         if ex.finished is not None:
             self.duration.observe(route, ex.finished - ex.started)
         self.bytes_in.observe(route, ex.bytes_in)

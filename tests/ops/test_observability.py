@@ -261,6 +261,11 @@ async def test_connect_failure_counts_attempts_retries_errors(
     assert sample(m, errors, backend=dead, cause="connect_failed") == 1.0
     assert sample(m, "sglang_gateway_backend_ejected", backend=dead) == 1.0
     assert sample(m, "sglang_gateway_backend_ejected", backend=stub.url) == 0.0
+    assert sample(m, "sglang_gateway_backend_ejections_total", backend=dead) == 1.0
+    assert sample(m, "sglang_gateway_backend_ejections_total", backend=stub.url) == 0.0
+    responses = "sglang_gateway_upstream_responses_total"
+    assert sample(m, responses, backend=stub.url, status_class="2xx") == 1.0
+    assert sample(m, responses, backend=dead, status_class="2xx") == 0.0
     line = record_for(access, "retry-1")
     assert (line["outcome"], line["attempts"], line["backend"]) == ("ok", 2, stub.url)
 
@@ -817,3 +822,17 @@ async def test_openmetrics_when_the_scraper_asks(
     # Without that Accept header: the Prometheus text format, as before.
     plain, _ = await scrape(session, gateway)
     assert "# EOF" not in plain
+
+
+async def test_a_backends_own_5xx_is_counted_apart_from_the_gateways(
+    stub: StubBackend, gateway: Gateway, session: aiohttp.ClientSession
+) -> None:
+    """The backend's 503 is relayed (outcome ok) and counted by backend; a 503 the gateway
+    makes itself (no backend) is not a backend response."""
+    status, _, _ = await post(session, gateway, "/generate", OK_BODY, **{"X-Stub-Status": "503"})
+    assert status == 503
+    _, m = await scrape(session, gateway)
+    responses = "sglang_gateway_upstream_responses_total"
+    assert sample(m, responses, backend=stub.url, status_class="5xx") == 1.0
+    assert sample(m, responses, backend=stub.url, status_class="2xx") == 0.0
+    assert sample(m, "sglang_gateway_request_outcomes_total", outcome="ok") == 1.0
