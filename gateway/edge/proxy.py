@@ -166,9 +166,11 @@ class Proxy:
         # to its owner alone.
         self.owners: dict[str, str] = {}
         self._idle: asyncio.Event | None = None  # only while someone waits for idleness
-        # NO_TRACING hands back the functions themselves: nothing to check per request.
-        self._inspect_body = tracer.inspection(inspect_body)
-        self._inspect_large = tracer.inspection_async(inspect_large)
+        # Untraced (None), the module's own functions are called, looked up at each call
+        # like any global: one test of an attribute per request, no wrapper.
+        traced = tracer is not NO_TRACING
+        self._inspect_body = tracer.inspection(inspect_body) if traced else None
+        self._inspect_large = tracer.inspection_async(inspect_large) if traced else None
 
     async def wait_idle(self) -> None:
         """Return once no request is in flight (the drain waits on this)."""
@@ -277,7 +279,7 @@ class Proxy:
             if len(body) < SKIM_MIN_BODY and budget.try_acquire(cost):
                 # Most bodies: inspected at once, with no await on the way.
                 try:
-                    verdict = self._inspect_body(
+                    verdict = (self._inspect_body or inspect_body)(
                         route.kind,
                         body,
                         settings.admission,
@@ -287,7 +289,7 @@ class Proxy:
                 finally:
                     budget.release(cost)
             else:
-                verdict = await self._inspect_large(
+                verdict = await (self._inspect_large or inspect_large)(
                     route.kind,
                     body,
                     settings.admission,
