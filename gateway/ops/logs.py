@@ -18,6 +18,7 @@ import contextlib
 import errno
 import logging
 import os
+import select
 import stat
 import sys
 import time
@@ -31,16 +32,27 @@ from gateway.ops.redact import describe
 
 BATCH_BYTES: Final = 64 * 1024
 BATCH_DELAY_S: Final = 0.1
+# How long the drain and the exit wait for a slow reader to take the last lines.
+DRAIN_TIMEOUT_S: Final = 5.0
 # Lines kept while stdout cannot take them (a reader that stopped reading); past this the
 # oldest are dropped and counted rather than growing without bound.
 MAX_PENDING_BYTES: Final = 4 * 1024 * 1024
 # Writes to a pipe up to PIPE_BUF bytes are atomic: with --workers N sharing one stdout
-# pipe, a batch cut at lines within that size never interleaves with a sibling's mid-line.
+# pipe, a batch cut at lines within that size never interleaves with a sibling's mid-line
+# (a line longer than that, which the fields' limits rule out, could).
 _PIPE_BUF: Final = 4096
 
 
 class AccessWriter:
-    """Access-log lines, buffered and written to one file descriptor in batches."""
+    """Access-log lines, buffered and written to one file descriptor in batches.
+
+    The event loop never waits on the reader. stdout is usually a blocking pipe or socket
+    (a container runtime, systemd, a shell), and a reader that stops reading would stall
+    a blocking write, and every request with it. So on a pipe, socket or terminal each
+    piece written is at most PIPE_BUF bytes and goes out only when poll() says the
+    descriptor can take it (a pipe reports writable only with a page free); otherwise the
+    lines wait in the buffer, and past `max_pending` the oldest are dropped and counted.
+    """
 
     def __init__(
         self,
@@ -56,11 +68,16 @@ class AccessWriter:
         self._delay = delay_s
         self._max_pending = max_pending
         self._timer: asyncio.TimerHandle | None = None
-        self._chunk = _PIPE_BUF if _is_pipe(fd) else batch_bytes
+        self._timer_loop: asyncio.AbstractEventLoop | None = None
+        self._poll = _stream_poller(fd)
+        self._chunk = _PIPE_BUF if self._poll is not None else batch_bytes
+        # The first line in the buffer went out in part: its rest must be kept whole.
+        self._partial = False
         self.written_lines = 0
         self.dropped_lines = 0
         self._pending_lines = 0
         self._broken = False
+        self._failing = False
 
     def write(self, line: bytes) -> None:
         """Queue one line (without its newline)."""
@@ -70,20 +87,28 @@ class AccessWriter:
         self._pending_lines += 1
         if len(buf) >= self._batch:
             self.flush()
-        elif self._timer is None:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:  # outside a loop (start-up, tests): nothing would flush later
-                self.flush()
-                return
+        else:
+            self._arm()
+
+    def _arm(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # outside a loop (start-up, tests): nothing would flush later
+            self.flush()
+            return
+        # A timer of another loop (one that ran before this one) would never fire here.
+        if self._timer is None or self._timer_loop is not loop:
+            if self._timer is not None:
+                self._timer.cancel()
             self._timer = loop.call_later(self._delay, self._due)
+            self._timer_loop = loop
 
     def _due(self) -> None:
         self._timer = None
         self.flush()
 
     def flush(self) -> None:
-        """Write what is buffered; what the descriptor cannot take now stays for later."""
+        """Write what the descriptor takes now; the rest stays for the next try."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -95,51 +120,100 @@ class AccessWriter:
             return
         view = memoryview(buf)
         done = 0
+        poll = self._poll
+        lost = False
         try:
             while done < len(buf):
                 end = len(buf)
                 if end - done > self._chunk:
-                    # Cut at the last whole line that fits, or after one overlong line.
+                    # Cut at the last whole line that fits; an overlong line goes in pieces.
                     cut = buf.rfind(b"\n", done, done + self._chunk)
-                    end = cut + 1 if cut >= 0 else buf.index(b"\n", done) + 1
+                    end = cut + 1 if cut >= done else done + self._chunk
+                if poll is not None and not poll.poll(0):
+                    break  # the reader is behind: never block the loop on it
                 done += os.write(self._fd, view[done:end])
         except BlockingIOError:
             pass  # a non-blocking stdout is full: the rest goes out with the next batch
         except OSError as exc:
-            # stdout closed or broken (EPIPE, EBADF): keep serving, count what is lost.
-            self._broken = True
-            if exc.errno not in (errno.EPIPE, errno.EBADF):
-                logging.getLogger("gateway.access").warning("access log write failed: %s", exc)
+            if exc.errno in (errno.EPIPE, errno.EBADF):
+                self._broken = True  # stdout is gone for good: keep serving, count the loss
+            else:
+                # ENOSPC, EIO: this batch is lost, later ones may get through (logged once
+                # until a write succeeds again).
+                lost = True
+                if not self._failing:
+                    self._failing = True
+                    logging.getLogger("gateway.access").warning(
+                        "access log write failed: %s", exc.strerror
+                    )
         finally:
             view.release()
-        written = buf.count(b"\n", 0, done)
-        self.written_lines += written
-        self._pending_lines -= written
-        del buf[:done]
-        if self._broken:
+        if done:
+            self._failing = False
+        if done:
+            written = buf.count(b"\n", 0, done)
+            self.written_lines += written
+            self._pending_lines -= written
+            self._partial = buf[done - 1] != 0x0A
+            del buf[:done]
+        if self._broken or lost:
             self._drop(len(buf))
         elif len(buf) > self._max_pending:
             self._drop(len(buf) - self._max_pending)
-        elif buf and self._timer is None:
-            with contextlib.suppress(RuntimeError):
-                self._timer = asyncio.get_running_loop().call_later(self._delay, self._due)
+        if buf:
+            self._arm_retry()
+
+    def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+        """Write everything buffered, waiting up to `timeout_s` for a slow reader: at the
+        drain and at exit, when no request waits on the loop any more. What a reader that
+        stopped reading leaves behind after that is dropped and counted."""
+        deadline = time.monotonic() + timeout_s
+        while self._buf and not self._broken:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            if self._poll is not None:
+                self._poll.poll(max(1, int(left * 1000)))
+            self.flush()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._buf:
+            self._drop(len(self._buf))
+
+    def _arm_retry(self) -> None:
+        with contextlib.suppress(RuntimeError):
+            loop = asyncio.get_running_loop()
+            if self._timer is None:
+                self._timer = loop.call_later(self._delay, self._due)
+                self._timer_loop = loop
 
     def _drop(self, nbytes: int) -> None:
-        """Drop the oldest whole lines covering at least `nbytes`."""
+        """Drop the oldest whole lines covering at least `nbytes`, but never the rest of a
+        line already written in part (the reader has its head: it must get its end)."""
         buf = self._buf
-        cut = buf.find(b"\n", nbytes - 1) + 1 or len(buf)
-        lines = buf.count(b"\n", 0, cut)
-        del buf[:cut]
+        start = buf.find(b"\n") + 1 if self._partial else 0
+        if start <= 0 and self._partial:
+            return  # the partial line is all there is
+        cut = buf.find(b"\n", start + nbytes - 1) + 1 or len(buf)
+        lines = buf.count(b"\n", start, cut)
+        del buf[start:cut]
         self.dropped_lines += lines
         self._pending_lines -= lines
 
 
-def _is_pipe(fd: int) -> bool:
+def _stream_poller(fd: int) -> select.poll | None:
+    """A poller for a pipe, socket or terminal (writes to them can block on the reader);
+    None for a regular file or /dev/null, which always take a write."""
     try:
         mode = os.fstat(fd).st_mode
     except OSError:
-        return False
-    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
+        return None
+    if stat.S_ISREG(mode) or (stat.S_ISCHR(mode) and not os.isatty(fd)):
+        return None
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return poller
 
 
 _writer: AccessWriter | None = None
@@ -151,8 +225,9 @@ def access_writer() -> AccessWriter | None:
 
 
 def flush() -> None:
+    """Write the lines still buffered (the drain calls this after the last request)."""
     if _writer is not None:
-        _writer.flush()
+        _writer.drain()
 
 
 # -- operational lines ---------------------------------------------------------------------
@@ -202,7 +277,7 @@ def setup(level: str, fmt: str = "text") -> AccessWriter:
     access.setLevel(logging.INFO)
     if _writer is None:
         _writer = AccessWriter(sys.stdout.fileno())
-        atexit.register(_writer.flush)
+        atexit.register(_writer.drain)
     return _writer
 
 

@@ -221,7 +221,7 @@ fd, tag = int(sys.argv[1]), sys.argv[2].encode()
 writer = AccessWriter(fd, batch_bytes=1 << 16, delay_s=60)
 for i in range(3000):
     writer.write(tag * 40 + b"-%d" % i)
-writer.flush()
+writer.drain()
 """
 
 
@@ -250,3 +250,87 @@ async def test_workers_sharing_a_pipe_never_interleave_mid_line(tmp_path: Path) 
         body, _, index = line.partition("-")
         assert body in {"a" * 40, "b" * 40, "c" * 40}, line[:80]
         assert index.isdigit()
+
+
+async def test_a_reader_that_stops_reading_never_blocks_the_loop() -> None:
+    """stdout as it usually is, a blocking pipe, and a reader that stopped: the loop keeps
+    running, lines wait, then the oldest are dropped; once the reader reads again, what
+    arrives is whole lines in order."""
+    r, w = os.pipe()  # both ends blocking
+    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 4096)
+    try:
+        writer = AccessWriter(w, batch_bytes=2048, delay_s=0.01, max_pending=16384)
+        total = 2000
+        async with asyncio.timeout(5):  # a blocking write would hang here for good
+            for i in range(total):
+                writer.write(b"%05d" % i + b"z" * 295)
+                if i % 50 == 0:
+                    await asyncio.sleep(0)
+        assert writer.dropped_lines > 0
+        assert len(writer._buf) <= 16384 + 300
+        os.set_blocking(r, False)
+        got = _read_all(r)
+        writer.flush()
+        got += _read_all(r)
+        lines = got.splitlines()
+        indices = [int(line[:5]) for line in lines]
+        assert indices == sorted(set(indices))
+        assert all(len(line) == 300 for line in lines)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+async def test_an_overlong_line_written_in_part_is_never_merged_with_another() -> None:
+    r, w = _pipe()
+    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 4096)
+    try:
+        writer = AccessWriter(w, batch_bytes=1 << 20, delay_s=60, max_pending=7000)
+        writer.write(b"A" * 6000)  # longer than a pipe page: goes out in pieces
+        writer.flush()  # the first 4096 bytes fit; the rest waits
+        for _ in range(3):
+            writer.write(b"B" * 3000)
+        writer.flush()  # over max_pending: B lines are dropped, never A's rest
+        got = _read_all(r)
+        writer.drain(timeout_s=0.2)
+        got += _read_all(r)
+        writer.drain(timeout_s=0.2)
+        got += _read_all(r)
+        lines = got.splitlines()
+        assert lines[0] == b"A" * 6000
+        assert all(line == b"B" * 3000 for line in lines[1:])
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_second_event_loop_still_gets_its_lines_flushed() -> None:
+    r, w = _pipe()
+    try:
+        writer = AccessWriter(w, delay_s=0.02)
+
+        async def one(tag: bytes) -> bytes:
+            writer.write(tag)
+            await asyncio.sleep(0.1)
+            return _read_all(r)
+
+        assert asyncio.run(one(b"first")) == b"first\n"
+        writer.write(b"between")  # outside any loop: written at once
+        assert _read_all(r) == b"between\n"
+        assert asyncio.run(one(b"second")) == b"second\n"
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_full_disk_loses_the_batch_but_not_the_writer() -> None:
+    fd = os.open("/dev/full", os.O_WRONLY)  # every write fails with ENOSPC
+    try:
+        writer = AccessWriter(fd, delay_s=60)
+        writer.write(b"one")
+        writer.write(b"two")
+        assert writer.dropped_lines == 2
+        assert not writer._broken  # unlike EPIPE: a later write may succeed again
+        assert writer._buf == bytearray()
+    finally:
+        os.close(fd)
