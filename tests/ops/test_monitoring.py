@@ -43,6 +43,11 @@ PLAIN = orjson.dumps({"text": "hi", "sampling_params": {"top_k": 2}})
 MASK = orjson.dumps({"text": "hi", "sampling_params": {"top_p": 0.9}, "return_sampling_mask": True})
 STREAM = orjson.dumps({"text": "hi", "stream": True, "sampling_params": {"top_k": 2}})
 # The series a panel reads: the gateway's own and the standard process_* / python_* ones.
+# What Prometheus 2.x sends when it scrapes (scrape.go's acceptHeader): OpenMetrics first.
+SCRAPE_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+    "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
 SELECTOR = re.compile(r"\b((?:sglang_gateway|process|python)_\w+)(\{[^}]*\})?")
 
 
@@ -534,6 +539,11 @@ async def test_every_panel_has_data_from_a_live_gateway(tmp_path: Path) -> None:
             checked = run(promtool, "check", "metrics", stdin=scraped)
             assert checked.returncode == 0, checked.stdout + checked.stderr
             assert checked.stdout.strip() == ""
+            # Prometheus was answered in OpenMetrics: the series every panel read above came
+            # that way (promtool checks the text format the gateway serves by default).
+            async with session.get(f"{admin}/metrics", headers={"Accept": SCRAPE_ACCEPT}) as r:
+                assert r.content_type == "application/openmetrics-text", r.headers
+                assert (await r.text()).endswith("# EOF\n")
 
             png = tmp_path / "dashboard.png"
             drawn = run(
