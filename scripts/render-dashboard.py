@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Draw the panels of the Grafana dashboard from a live Prometheus into one PNG.
 
-Every target of every panel in deploy/monitoring/dashboard.json runs as a range query; the
-panels keep the dashboard's grid (24 columns), titles, units and legends, so the picture
-shows what Grafana would, without a Grafana. Template variables ($job, $instance) default
-to every value (.+), and $__rate_interval is worked out the way Grafana does it, from the
-step and the scrape interval.
+Every target of every panel in deploy/monitoring/dashboard.json runs as a range query (an
+instant one at the window's end where the target says `instant`); the panels keep the
+dashboard's grid (24 columns), titles, units, legends and threshold lines, so the picture
+shows what Grafana would, without a Grafana (time series, stats and bar gauges). Template
+variables ($job, $instance) default to every value (.+), and $__rate_interval is worked
+out the way Grafana does it, from the step and the scrape interval.
 
     scripts/render-dashboard.py --prometheus http://127.0.0.1:9090 --out dashboard.png \\
         [--minutes 15 | --start UNIX --end UNIX] [--scrape-interval 15] \\
@@ -43,10 +44,13 @@ from matplotlib.gridspec import GridSpec
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "monitoring" / "dashboard.json"
 GRID_COLUMNS = 24  # Grafana's grid
+FIGURE_WIDTH = 20  # inches
 LEGEND_ROWS = 2  # grid rows below a time series kept for its legend
 # Characters Grafana escapes in a variable value used in a regex matcher, and how: the
 # backslash is doubled again inside PromQL's double-quoted string.
 _REGEX_SPECIAL = re.compile(r"([\\^$*+?.()|{}\[\]])")
+# Grafana's named colours, as its default theme draws them.
+COLORS = {"green": "#37872d", "red": "#c4162a", "orange": "#fa6400", "blue": "#1f60c4"}
 
 
 @dataclass
@@ -77,13 +81,25 @@ def expand(expr: str, variables: dict[str, str], builtins: dict[str, str]) -> st
     return expr
 
 
-def query_range(base: str, expr: str, start: float, end: float, step: float) -> list[Any]:
-    params = urllib.parse.urlencode({"query": expr, "start": start, "end": end, "step": step})
-    with urllib.request.urlopen(f"{base}/api/v1/query_range?{params}", timeout=30) as r:
+def api(base: str, path: str, **params: Any) -> Any:
+    query = urllib.parse.urlencode(params)
+    with urllib.request.urlopen(f"{base}/api/v1/{path}?{query}", timeout=30) as r:
         reply = json.load(r)
     if reply.get("status") != "success":
-        raise RuntimeError(f"{expr}: {reply.get('error')}")
-    return list(reply["data"]["result"])
+        raise RuntimeError(f"{params.get('query')}: {reply.get('error')}")
+    return reply["data"]["result"]
+
+
+def query_range(base: str, expr: str, start: float, end: float, step: float) -> list[Any]:
+    return list(api(base, "query_range", query=expr, start=start, end=end, step=step))
+
+
+def query_instant(base: str, expr: str, at: float) -> list[Any]:
+    """An instant query's vector, each sample as a range result of one point."""
+    return [
+        {"metric": r["metric"], "values": [r["value"]]}
+        for r in api(base, "query", query=expr, time=at)
+    ]
 
 
 def legend(fmt: str, labels: dict[str, str]) -> str:
@@ -98,7 +114,11 @@ def fetch_panel(
     start, end, step = window
     out = []
     for target in panel.get("targets", []):
-        for result in query_range(base, target["expr"], start, end, step):
+        if target.get("instant"):
+            results = query_instant(base, target["expr"], end)
+        else:
+            results = query_range(base, target["expr"], start, end, step)
+        for result in results:
             points = [(float(t), float(v)) for t, v in result["values"]]
             out.append(
                 Series(
@@ -118,9 +138,24 @@ def _seconds(value: float, _pos: float) -> str:
     return f"{value:g} s"
 
 
+_IEC = ((1024**3, "GiB"), (1024**2, "MiB"), (1024, "KiB"), (1, "B"))
+
+
+def bytes_axis(ax: Axes) -> None:
+    """Grafana's "bytes" unit: IEC multiples, ticks at round numbers of the unit the axis
+    top is in."""
+    top = ax.get_ylim()[1]
+    size, name = next(((size, name) for size, name in _IEC if top >= size), _IEC[-1])
+    ticks = ticker.MaxNLocator(5).tick_values(0, top / size)
+    ax.set_yticks([t * size for t in ticks if 0 <= t * size <= top])
+    ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v / size:g} {name}"))
+
+
 def format_axis(ax: Axes, unit: str) -> None:
     if unit == "s":
         ax.yaxis.set_major_formatter(ticker.FuncFormatter(_seconds))
+    elif unit == "bytes":
+        bytes_axis(ax)
     elif unit == "percentunit":
         ax.yaxis.set_major_formatter(ticker.PercentFormatter(1.0))
     elif unit == "reqps":
@@ -132,25 +167,42 @@ def format_axis(ax: Axes, unit: str) -> None:
 
 
 def draw_timeseries(
-    ax: Axes, panel: dict[str, Any], series: list[Series], span: tuple[float, float]
+    ax: Axes, panel: dict[str, Any], series: list[Series], window: tuple[float, float, float]
 ) -> None:
     defaults = panel.get("fieldConfig", {}).get("defaults", {})
     bars = defaults.get("custom", {}).get("drawStyle") == "bars"
+    start, end, step = window
+    width = dt.timedelta(seconds=step) / max(1, len(series))
     for i, s in enumerate(series):
-        if bars and len(s.times) > 1:
-            width = (s.times[1] - s.times[0]) / max(1, len(series))
+        if bars:
+            # From the step, not the points: a filtered query (`> 0`) leaves gaps.
             ax.bar([t + width * i for t in s.times], s.values, width=width, label=s.legend)
         else:
             ax.plot(s.times, s.values, linewidth=1.2, label=s.legend)
+    if defaults.get("custom", {}).get("thresholdsStyle", {}).get("mode") == "line":
+        for step in defaults.get("thresholds", {}).get("steps", []):
+            if step["value"] is not None:
+                ax.axhline(
+                    step["value"],
+                    color=COLORS.get(step["color"], step["color"]),
+                    linestyle="--",
+                    linewidth=1,
+                )
+    ax.set_xlim(*(dt.datetime.fromtimestamp(t, dt.UTC) for t in (start, end)))  # one for all
+    # From 0, with headroom above the highest point (a flat line would sit on the frame).
+    top = max((v for s in series for v in s.values if math.isfinite(v)), default=0.0)
+    ax.set_ylim(0, top * 1.15 if top > 0 else 1)
     format_axis(ax, defaults.get("unit", ""))
-    ax.set_xlim(*(dt.datetime.fromtimestamp(t, dt.UTC) for t in span))  # one time axis for all
-    ax.set_ylim(bottom=0)
     if series:
+        # As many columns as the longest name lets fit in the panel's width.
+        longest = max(len(s.legend) for s in series)
+        inches = FIGURE_WIDTH * panel["gridPos"]["w"] / GRID_COLUMNS
+        columns = max(1, min(len(series), int(inches / (0.055 * longest + 0.45))))
         ax.legend(
             loc="upper left",
             bbox_to_anchor=(0, -0.12),
-            ncol=2 if panel["gridPos"]["w"] <= 12 else 4,
-            fontsize=7,
+            ncol=columns,
+            fontsize=7 if math.ceil(len(series) / columns) <= 3 else 6,
             frameon=False,
         )
     else:
@@ -163,7 +215,50 @@ def stat_color(panel: dict[str, Any], value: float) -> str:
     for step in steps:
         if step["value"] is None or value >= step["value"]:
             color = step["color"]
-    return {"green": "#37872d", "red": "#c4162a", "orange": "#fa6400"}.get(color, color)
+    return COLORS.get(color, color)
+
+
+def field_color(panel: dict[str, Any], name: str) -> str:
+    """A series' fixed colour: the last override whose byRegexp matcher takes its name,
+    else the panel's default."""
+    config = panel["fieldConfig"]
+    color = config["defaults"].get("color", {}).get("fixedColor", "blue")
+    for override in config.get("overrides", []):
+        matcher = override["matcher"]
+        if matcher["id"] == "byRegexp" and re.search(matcher["options"], name):
+            for prop in override["properties"]:
+                if prop["id"] == "color":
+                    color = prop["value"].get("fixedColor", color)
+    return COLORS.get(color, color)
+
+
+def draw_bargauge(ax: Axes, panel: dict[str, Any], series: list[Series]) -> None:
+    """Horizontal bars, one per series (its last value), in the order the query gave."""
+    shown = [
+        (s.legend, next((v for v in reversed(s.values) if not math.isnan(v)), 0.0)) for s in series
+    ]
+    if not shown:
+        ax.set_axis_off()
+        ax.text(0.5, 0.5, "No data", ha="center", va="center", transform=ax.transAxes)
+        return
+    # Grafana's horizontal bar gauge: the name on the left, inside the panel, then the bar.
+    rows = range(len(shown))[::-1]  # the first series on top
+    values = [v for _, v in shown]
+    longest = max(values) or 1.0
+    inches = FIGURE_WIDTH * panel["gridPos"]["w"] / GRID_COLUMNS
+    names = (0.07 * max(len(name) for name, _ in shown) + 0.15) / inches  # of the width
+    scale = (1 - names - 0.12) / longest
+    decimals = panel["fieldConfig"]["defaults"].get("decimals")
+    for row, (name, value) in zip(rows, shown, strict=True):
+        color = field_color(panel, name)
+        ax.barh(row, 1 - names - 0.12, left=names, height=0.7, color="#e6e6e6")
+        ax.barh(row, value * scale, left=names, height=0.7, color=color)
+        ax.text(names - 0.02, row, name, ha="right", va="center", fontsize=8)
+        text = f"{value:.{decimals}f}" if decimals is not None else f"{value:.3g}"
+        ax.text(1 - 0.1, row, text, ha="left", va="center", fontsize=9, color=color)
+    ax.set_xlim(0, 1)
+    ax.set_ylim(-0.6, len(shown) - 0.4)
+    ax.set_axis_off()
 
 
 def draw_stat(ax: Axes, panel: dict[str, Any], series: list[Series]) -> None:
@@ -204,7 +299,7 @@ def render(
 ) -> list[tuple[str, int]]:
     panels = dashboard["panels"]
     rows = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in panels)
-    fig = plt.figure(figsize=(20, rows * 0.36))
+    fig = plt.figure(figsize=(FIGURE_WIDTH, rows * 0.36))
     grid = GridSpec(
         rows, GRID_COLUMNS, figure=fig, hspace=0.3, wspace=1.6, top=0.97, bottom=0.01, left=0.03
     )
@@ -231,9 +326,12 @@ def render(
         if panel["type"] == "stat":
             ax = fig.add_subplot(grid[y + 1 : y + h, x : x + w])
             draw_stat(ax, panel, series)
+        elif panel["type"] == "bargauge":
+            ax = fig.add_subplot(grid[y + 1 : y + h - 1, x : x + w])
+            draw_bargauge(ax, panel, series)
         else:
             ax = fig.add_subplot(grid[y + 1 : y + h - LEGEND_ROWS, x : x + w])
-            draw_timeseries(ax, panel, series, window[:2])
+            draw_timeseries(ax, panel, series, window)
         ax.set_title(panel["title"], fontsize=9, loc="left")
     start, end, _ = window
     span = " - ".join(

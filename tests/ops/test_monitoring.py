@@ -42,7 +42,13 @@ PLAIN = orjson.dumps({"text": "hi", "sampling_params": {"top_k": 2}})
 # Refused by every release's admission: a mask needs a finite top_k.
 MASK = orjson.dumps({"text": "hi", "sampling_params": {"top_p": 0.9}, "return_sampling_mask": True})
 STREAM = orjson.dumps({"text": "hi", "stream": True, "sampling_params": {"top_k": 2}})
-SELECTOR = re.compile(r"(sglang_gateway_\w+)(\{[^}]*\})?")
+# The series a panel reads: the gateway's own and the standard process_* / python_* ones.
+# What Prometheus 2.x sends when it scrapes (scrape.go's acceptHeader): OpenMetrics first.
+SCRAPE_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+    "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
+SELECTOR = re.compile(r"\b((?:sglang_gateway|process|python)_\w+)(\{[^}]*\})?")
 
 
 def tool(name: str) -> str:
@@ -306,10 +312,12 @@ async def abandoned_stream(
 
 
 async def traffic(session: aiohttp.ClientSession, base: str, rounds: int) -> None:
-    """Plain generations, refused mask requests and generations the backend drops before
-    answering, spread over time so that rates and quantiles have several scrapes to work
-    on."""
+    """Plain generations, refused mask requests, generations the backend drops before
+    answering and ones it answers 503 itself, spread over time so that rates and quantiles
+    have several scrapes to work on. A backend's 503s come between its 200s, never the
+    five in a row that would eject it."""
     dropped = {**JSON, "X-Stub-Drop": "before-headers"}
+    unavailable = {**JSON, "X-Stub-Status": "503"}
     for _ in range(rounds):
         for _ in range(2):
             async with session.post(f"{base}/generate", data=PLAIN, headers=JSON) as r:
@@ -318,6 +326,8 @@ async def traffic(session: aiohttp.ClientSession, base: str, rounds: int) -> Non
             assert r.status == 400, await r.text()
         async with session.post(f"{base}/generate", data=PLAIN, headers=dropped) as r:
             assert r.status == 502, await r.text()
+        async with session.post(f"{base}/generate", data=PLAIN, headers=unavailable) as r:
+            assert r.status == 503, await r.text()
         await asyncio.sleep(0.25)
 
 
@@ -412,17 +422,20 @@ async def test_every_panel_has_data_from_a_live_gateway(tmp_path: Path) -> None:
             admin = f"http://{target}"
             prom = Prometheus(session, prom_url)
             await backends_known(session, admin, 2)
+            # Every scrape job (the gateway, and the two posing as its workers) has read
+            # the counters at 0 before the first event, or increase() would miss it there.
             async with asyncio.timeout(10):
-                while not await prom.query(f'up{{job="{JOB}"}} == 1', time.time()):
+                while len(await prom.query("up == 1", time.time())) < 3:
                     await asyncio.sleep(0.2)
             began = time.time()
 
-            # Twice each, scrapes apart: a labelled counter appears with its first
-            # increment, and rate() sees no rise before a series' first sample.
-            for _ in range(2):
-                stream = await control_calls(session, base)
-                await traffic(session, base, rounds=8)
-                await stream
+            # Once each: the gateway exports every counter whose labels it knows at 0 from
+            # the start (outcomes, disconnect phases, control routes x results, each
+            # member's attempts, errors by cause and responses by class), so rate() and
+            # increase() see a first event.
+            stream = await control_calls(session, base)
+            await traffic(session, base, rounds=8)
+            await stream
 
             await stopped(doomed)
             # Time for the gateway to see its idle connections to it close (a request on one
@@ -463,9 +476,29 @@ async def test_every_panel_has_data_from_a_live_gateway(tmp_path: Path) -> None:
                 assert most("Control calls by route and result", result=result) > 0
             errors = "Upstream errors by backend and cause"
             assert most(errors, backend=steady_url, cause="upstream_error") > 0
-            # A single event: its series shows, its rate is 0 (no earlier sample).
-            assert values_of(data[JOB], errors, backend=doomed_url, cause="connect_failed")
+            # A single event, on a series that was there at 0 before it.
+            assert most(errors, backend=doomed_url, cause="connect_failed") > 0
             assert most("Upstream error ratio by backend", backend=steady_url) > 0
+            responses = "Backend responses by status class"
+            for status_class in ("2xx", "5xx"):
+                assert most(responses, backend=steady_url, status_class=status_class) > 0
+            # Answered 503 by the backend, 502 by the gateway (dropped before an answer):
+            # only the first is the backend's own 5xx. One 503 in five forwarded requests.
+            assert 0 < most("Backend 5xx ratio", backend=steady_url) < 0.5
+            assert most("Passive ejections by backend", backend=doomed_url) > 0
+            codes = {
+                s["metric"]["status_code"]: float(s["value"][1])
+                for s in data[JOB]["Top status codes"]
+            }
+            assert all(codes[code] > 0 for code in ("200", "400", "502", "503")), codes
+            # The one refused flush is listed, but need not count: a requests_total series
+            # (route, method and code are not known ahead) appears with its first request,
+            # which increase() cannot see.
+            assert "403" in codes, codes
+            assert max(codes, key=codes.__getitem__) == "200", codes
+            for job in jobs:
+                assert min(values_of(data[job], "Gateway CPU")) > 0
+                assert min(values_of(data[job], "Gateway resident memory")) > 2**20
             assert most("Upstream time to first byte", route="/generate") > 0
             for job in jobs:
                 # Per gateway, not per worker: one unhealthy backend, one routable.
@@ -506,6 +539,11 @@ async def test_every_panel_has_data_from_a_live_gateway(tmp_path: Path) -> None:
             checked = run(promtool, "check", "metrics", stdin=scraped)
             assert checked.returncode == 0, checked.stdout + checked.stderr
             assert checked.stdout.strip() == ""
+            # Prometheus was answered in OpenMetrics: the series every panel read above came
+            # that way (promtool checks the text format the gateway serves by default).
+            async with session.get(f"{admin}/metrics", headers={"Accept": SCRAPE_ACCEPT}) as r:
+                assert r.content_type == "application/openmetrics-text", r.headers
+                assert (await r.text()).endswith("# EOF\n")
 
             png = tmp_path / "dashboard.png"
             drawn = run(
