@@ -195,9 +195,11 @@ class Proxy:
         route = settings.routes.match(path)
         exchange = Exchange(rid, request.method, route.path if route else "unmatched")
         if self._details:
-            # An unknown path is the client's free text (a key pasted in the wrong place):
-            # only a path the route table knows is logged as sent.
-            _describe_client(request, path if route else "", exchange)
+            # An unknown path is the client's free text (a key pasted in the wrong place),
+            # and so is what fills a templated route (/workers/{id}): only a path the route
+            # table spells out is logged as sent, a templated one as its template.
+            shown = "" if route is None else route.path if "{" in route.path else path
+            _describe_client(request, shown, exchange)
         self.inflight += 1
         try:
             return await self._handle(request, settings, route, raw_path, exchange)
@@ -227,7 +229,12 @@ class Proxy:
                 self._idle.set()
             exchange.finished = time.perf_counter()
             for obs in self._observers:
-                obs.finish(exchange)
+                try:
+                    obs.finish(exchange)
+                except Exception as exc:
+                    # An observer's fault (a log line that cannot be written) must not
+                    # replace the reply the client is getting.
+                    log.error("request %s: %s failed: %s", rid, type(obs).__name__, describe(exc))
 
     async def _handle(
         self,
@@ -790,16 +797,23 @@ class Proxy:
 def _describe_client(request: web.BaseRequest, path: str, exchange: Exchange) -> None:
     """The client-side fields of the access log line."""
     exchange.client = request.remote or ""
-    exchange.path = path
+    exchange.path = _printable(path) if not path.isascii() else path
     version = request.version
     exchange.http_version = f"{version.major}.{version.minor}"
     headers = request.headers
     agent = headers.get(USER_AGENT)
     if agent:
-        exchange.user_agent = agent[:USER_AGENT_MAX]
+        agent = agent[:USER_AGENT_MAX]
+        exchange.user_agent = agent if agent.isascii() else _printable(agent)
     traceparent = headers.get(TRACEPARENT)
     if traceparent:
         exchange.traceparent = traceparent
+
+
+def _printable(text: str) -> str:
+    """Header bytes that are not UTF-8 come from the parser as lone surrogates, which no
+    JSON encoder takes: logged as U+FFFD instead."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def _fits(version: str | None, admission: Admission | None) -> Fit | None:

@@ -334,3 +334,37 @@ def test_a_full_disk_loses_the_batch_but_not_the_writer() -> None:
         assert writer._buf == bytearray()
     finally:
         os.close(fd)
+
+
+async def _raw(port: int, data: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    writer.close()
+    return head
+
+
+async def test_undecodable_user_agent_and_templated_paths_are_logged_safely(
+    stub: StubBackend, tmp_path: Path
+) -> None:
+    """A User-Agent byte that is not UTF-8 cannot reach the JSON encoder (it once turned a
+    415 into a bare 500 and lost the line), and what fills /workers/{id} is client text."""
+    async with cli_gateway(tmp_path, "--backend", stub.url) as (port, out_path, _):
+        head = await _raw(
+            port,
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\n"
+            b"User-Agent: bad\xff agent\r\nX-Request-Id: ua-1\r\nContent-Length: 2\r\n\r\n{}",
+        )
+        assert head.startswith(b"HTTP/1.1 415 "), head
+        assert b"X-Request-Id: ua-1" in head
+        head = await _raw(
+            port, b"GET /workers/sk-live-SECRET-123?api_key=QQQ HTTP/1.1\r\nHost: x\r\n\r\n"
+        )
+        assert head.startswith(b"HTTP/1.1 404 "), head  # no registry in this config
+    out = out_path.read_text()
+    assert "SECRET" not in out and "QQQ" not in out
+    first, second = (orjson.loads(line) for line in out.splitlines())
+    assert first["request_id"] == "ua-1"
+    assert first["user_agent"] == "bad\ufffd agent"
+    assert second["path"] == "/workers/{id}"
