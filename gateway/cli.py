@@ -113,14 +113,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.json:
             print(cfg.model_dump_json(indent=2))
         else:
-            # The format it reads, so the output can be saved and used as a config file.
+            # The format it reads. Secrets show as the mask, which the config refuses: a
+            # saved copy runs only once the real values are put back.
             print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
         return 0
     problem = check_runtime()
-    if problem:
-        print(f"sglang-gateway: {problem}", file=sys.stderr)
-        return 1
     logs.setup(cfg.logging.level, cfg.logging.format)
+    if problem:
+        log.error("%s", problem)
+        return 1
     tune_malloc()
     from gateway.app import serve  # noqa: PLC0415 - keeps --check-config light
 
@@ -133,7 +134,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         async def supervise() -> None:
             result.append(await supervisor.run())
 
-        runtime.run(supervise())
+        try:
+            runtime.run(supervise())
+        except (OSError, ValueError) as exc:
+            log.error("cannot start: %s", exc)
+            return 1
         return result[0] if result else 1
     try:
         runtime.run(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import ipaddress
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
@@ -286,19 +287,36 @@ class ForwardingConfig(_Model):
     trusted_proxies: list[Cidr] = Field(default_factory=list)
 
 
+_MASK: Final = str(SecretStr("x"))  # how --check-config prints a secret: "**********"
+
+
+def _not_masked(value: SecretStr) -> SecretStr:
+    if value.get_secret_value() == _MASK:
+        raise ValueError(
+            "this is the mask --check-config prints in place of a secret, not a secret: "
+            "put the real value back"
+        )
+    return value
+
+
+# A credential: never printed (--check-config shows the mask), and the mask itself is
+# refused, so a saved --check-config output cannot run with "**********" as a key.
+Secret = Annotated[SecretStr, AfterValidator(_not_masked)]
+
+
 class AuthConfig(_Model):
     """Optional bearer API keys for clients (an ingress), and credentials for backends."""
 
     enabled: bool = False
     # Keys inline (prefer keys_file: it can be rotated by editing it and sending SIGHUP).
-    keys: list[SecretStr] = Field(default_factory=list)
+    keys: list[Secret] = Field(default_factory=list)
     keys_file: str | None = None  # one key per line, # comments allowed
     # Paths served without a key, e.g. [/health] for a load balancer's probes.
     exempt_paths: list[RoutePath] = Field(default_factory=list)
     # Sent upstream as the Authorization header (SGLang's --api-key), replacing whatever
     # the client sent. Without it, a client's Authorization passes through unless client
     # authentication is on, in which case the client's key is never forwarded.
-    upstream_authorization: SecretStr | None = None
+    upstream_authorization: Secret | None = None
     upstream_authorization_file: str | None = None
 
     @model_validator(mode="after")
@@ -323,7 +341,7 @@ class ControlConfig(_Model):
     fanned-out call may take. A client key (auth.keys) never grants control."""
 
     # Operator bearer keys (prefer keys_file: rotated by editing it and sending SIGHUP).
-    keys: list[SecretStr] = Field(default_factory=list)
+    keys: list[Secret] = Field(default_factory=list)
     keys_file: str | None = None
     # Callers from these networks need no key. Loopback by default: the RL driver on the
     # gateway's own host.
@@ -373,6 +391,9 @@ def _otlp_endpoint(value: str) -> str:
     parts = urlsplit(value)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError("must be an http:// or https:// URL (OTLP/HTTP, e.g. .../v1/traces)")
+    if parts.username is not None or parts.password is not None or parts.query:
+        # The URL is printed by --check-config and in errors: credentials go in headers.
+        raise ValueError("must carry no credentials or query string (use tracing.headers)")
     try:
         parts.port  # noqa: B018 - raises for an invalid port
     except ValueError as exc:
@@ -391,7 +412,7 @@ class TracingConfig(_Model):
     # sampled flag instead (parent-based), so a trace is never recorded in part.
     sample_ratio: Annotated[float, Field(ge=0, le=1)] = 1.0
     # Sent with every export (a collector's or vendor's credentials): secrets, never printed.
-    headers: dict[str, SecretStr] = Field(default_factory=dict)
+    headers: dict[str, Secret] = Field(default_factory=dict)
     # One export request's deadline; also bounds the final flush when the gateway stops.
     timeout_s: Annotated[float, Field(gt=0, le=300)] = 10.0
 
@@ -435,6 +456,8 @@ RESTART_ONLY: Final = (
     "limits.max_header_bytes",
     "timeouts.upstream_keepalive_s",
     "tracing",
+    # The log handlers and the access log's observer are made once, at start.
+    "logging",
 )
 
 
@@ -491,16 +514,42 @@ def _loc(loc: tuple[int | str, ...]) -> str:
     return out or "(top level)"
 
 
+# Where a value is a credential: an error there names the key, never the value.
+_SECRET_PATHS: Final = (
+    ("auth", "keys"),
+    ("auth", "upstream_authorization"),
+    ("control", "keys"),
+    ("tracing", "headers"),
+    ("tracing", "endpoint"),  # refused when it carries credentials: then they are in it
+)
+
+
 def format_errors(exc: ValidationError) -> str:
+    """One line per error: the key's path, the value (a scalar outside the credentials;
+    a section's whole content, which can hold them, never) and the reason."""
     lines = []
     for err in exc.errors(include_url=False):
         reason = err["msg"].removeprefix("Value error, ")
         value = err.get("input")
-        shown = "missing" if err["type"] == "missing" else repr(value)
-        if len(shown) > 80:
-            shown = shown[:77] + "..."
-        lines.append(f"{_loc(err['loc'])}: value {shown}: {reason}")
+        loc = err["loc"]
+        if err["type"] == "missing":
+            shown = "value missing: "
+        elif tuple(loc[:2]) in _SECRET_PATHS or isinstance(value, (dict, list)):
+            shown = ""
+        else:
+            text = repr(value)
+            shown = f"value {text[:77] + '...' if len(text) > 80 else text}: "
+        lines.append(f"{_loc(loc)}: {shown}{reason}")
     return "\n".join(lines)
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """Where a YAML text is broken, without quoting it (it may hold a credential)."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(exc, "problem", None) or "unreadable"
+    hidden = re.sub(r"'[^']*'", "'...'", problem)
+    return f"{where} ({hidden})"
 
 
 def build(data: Mapping[str, Any]) -> GatewayConfig:
@@ -511,26 +560,79 @@ def build(data: Mapping[str, Any]) -> GatewayConfig:
 
 
 # SGLANG_GATEWAY_LISTEN__PORT=9000 sets listen.port: the prefix, then the key's path with
-# "__" between its levels. Only names with "__" are read, so the process's own variables
-# (SGLANG_GATEWAY_REVISION and the --workers plumbing) are never taken for config keys.
+# "__" between its levels. Only names with "__" after the prefix are read, so the process's
+# own variables (SGLANG_GATEWAY_REVISION, the --workers plumbing) and the ones Kubernetes
+# sets for a Service named sglang-gateway (SGLANG_GATEWAY_SERVICE_HOST, _PORT...) are never
+# taken for config keys.
 ENV_PREFIX: Final = "SGLANG_GATEWAY_"
+
+_INT: Final = re.compile(r"[-+]?[0-9]+")
+_FLOAT: Final = re.compile(r"[-+]?(?:[0-9]+\.[0-9]*|\.[0-9]+|[0-9]+)(?:[eE][-+]?[0-9]+)?")
+
+
+class _EnvLoader(yaml.SafeLoader):
+    """YAML for list and mapping values from the environment, with plain scalars read as
+    YAML 1.2 reads them: decimal integers (010 is ten, not eight), no base-60 numbers
+    (1:30 stays text), true/false only (not yes/no/on/off), null spelled out (not ~)."""
+
+
+_EnvLoader.yaml_implicit_resolvers = {
+    k: [(tag, rx) for tag, rx in v if tag == "tag:yaml.org,2002:merge"]
+    for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_EnvLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+_EnvLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:null", re.compile(r"^(?:null|Null|NULL|)$"), ["n", "N", ""]
+)
+_EnvLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(rf"^{_INT.pattern}$"), list("-+0123456789")
+)
+_EnvLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(rf"^{_FLOAT.pattern}$"), list("-+0123456789.")
+)
+_EnvLoader.add_constructor(
+    "tag:yaml.org,2002:int",
+    lambda loader, node: int(loader.construct_scalar(node), 10),  # type: ignore[arg-type]
+)
+
+
+def _env_value(raw: str) -> Any:
+    """A plain value is taken as it is (a credential with a '#' or ': ' in it stays whole),
+    but for true/false, null and decimal numbers; one that starts like a YAML list,
+    mapping or quoted string is read as YAML."""
+    text = raw.strip()
+    if text[:1] in ("[", "{", '"', "'"):
+        return yaml.load(text, Loader=_EnvLoader)
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered == "null":
+        return None
+    if _INT.fullmatch(text):
+        return int(text, 10)
+    if _FLOAT.fullmatch(text):
+        return float(text)
+    return text
 
 
 def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
-    """Dotted keys and their values from the environment, each value read as YAML (so
-    `9000` is a number, `[a, b]` a list, `'"0123"'` a string)."""
+    """Dotted keys and their values from the environment."""
     out: dict[str, Any] = {}
     for name in sorted(environ):
-        if not name.startswith(ENV_PREFIX) or "__" not in name:
+        if not name.startswith(ENV_PREFIX):
             continue
-        parts = name[len(ENV_PREFIX) :].lower().split("__")
+        rest = name[len(ENV_PREFIX) :]
+        if "__" not in rest or rest.startswith("_"):
+            continue
+        parts = rest.lower().split("__")
         if not all(parts):
             raise ConfigError(f"{name}: an empty key between '__' separators")
-        raw = environ[name]
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = _env_value(environ[name])
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{name}: not a valid YAML value: {exc}") from None
+            raise ConfigError(f"{name}: not a valid YAML value{_yaml_problem(exc)}") from None
         out[".".join(parts)] = value
     return out
 
@@ -563,7 +665,7 @@ def load(
         try:
             loaded = yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+            raise ConfigError(f"{path}: not valid YAML{_yaml_problem(exc)}") from None
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):

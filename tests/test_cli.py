@@ -283,3 +283,65 @@ async def test_version_names_the_release_revision_and_runtime() -> None:
         rf"aiohttp {re.escape(metadata.version('aiohttp'))}\)",
         line,
     ), line
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"SGLANG_GATEWAY_LISTEN__PORT": "010"}, ("listen", "port", 10)),  # not octal
+        (
+            {"SGLANG_GATEWAY_BACKENDS__HASH_HEADER": "X-Session #1"},
+            ("backends", "hash_header", "X-Session #1"),
+        ),
+        ({"SGLANG_GATEWAY__LISTEN__PORT": "1"}, ("listen", "port", 8080)),  # "__" at the prefix
+        ({"SGLANG_GATEWAY_SERVICE_HOST": "10.0.0.1"}, ("listen", "port", 8080)),  # k8s' own
+    ],
+)
+async def test_environment_values_are_read_as_written(
+    env: dict[str, str], expected: tuple[str, str, object]
+) -> None:
+    """A plain value is kept as text but for true/false, null and decimal numbers: YAML
+    1.1's octal, base-60 numbers, yes/no and '#' comments do not apply."""
+    section, key, want = expected
+    code, out, err = await run_cli("--check-config", "--backend", "http://h:1", env=env)
+    if want is None:
+        assert code == 2, out
+        return
+    assert code == 0, err
+    assert yaml.safe_load(out)[section][key] == want
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"SGLANG_GATEWAY_AUTH__KEYS": "sk-supersecret-1"},  # a string where a list belongs
+        {
+            "SGLANG_GATEWAY_AUTH__KEYS": "[sk-supersecret-1]",
+            "SGLANG_GATEWAY_AUTH__KEYS_FILE": "/no",
+        },
+        {"SGLANG_GATEWAY_AUTH__UPSTREAM_AUTHORIZATION": '"Bearer sk-supersecret-1\\x01"'},
+        {"SGLANG_GATEWAY_CONTROL__KEYS": "[*sk-supersecret-1]"},  # a YAML alias: unparseable
+        {"SGLANG_GATEWAY_TRACING__ENDPOINT": "http://u:sk-supersecret-1@h:4318/v1/traces"},
+        {"SGLANG_GATEWAY_TRACING__HEADERS": '{authorization: "Bearer sk-supersecret-1\\x01"}'},
+    ],
+)
+async def test_a_config_error_never_prints_a_secret(env: dict[str, str]) -> None:
+    code, out, err = await run_cli("--check-config", "--backend", "http://h:1", env=env)
+    assert code == 2
+    assert "supersecret" not in out + err, err
+    assert "invalid config" in err
+
+
+async def test_the_mask_check_config_prints_is_refused_as_a_secret(tmp_path: Path) -> None:
+    """Saved --check-config output holds "**********" where each secret was: running it
+    would make that string an operator key."""
+    src = tmp_path / "gw.yaml"
+    src.write_text("backends: {static: ['http://h:1']}\ncontrol: {keys: [op-key-1]}\n")
+    code, out, _ = await run_cli("--check-config", "--config", str(src))
+    assert code == 0
+    assert "op-key-1" not in out
+    saved = tmp_path / "saved.yaml"
+    saved.write_text(out)
+    code, _, err = await run_cli("--check-config", "--config", str(saved))
+    assert code == 2
+    assert "control.keys[0]" in err and "the mask --check-config prints" in err

@@ -297,11 +297,16 @@ class Supervisor:
             return await self._run(signals)
 
     async def _run(self, signals: runtime.Signals) -> int:
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
         admin = make_admin_app(ready=self.ready, metrics=self.metrics)
         runner = web.AppRunner(admin, handle_signals=False, access_log=None)
         await runner.setup()
-        await web.TCPSite(runner, self.cfg.admin.host, self.cfg.admin.port).start()
+        try:
+            await web.TCPSite(runner, self.cfg.admin.host, self.cfg.admin.port).start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        # Opened once the admin port is ours, so a failed start leaves nothing open.
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
         watchers = [
             asyncio.create_task(self._watch(w), name=f"worker-{w.index}") for w in self.workers
         ]

@@ -93,3 +93,35 @@ async def test_two_workers_share_the_port(stub: StubBackend) -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), timeout=20) == 0
+
+
+async def test_workers_that_cannot_start_say_why(stub: StubBackend) -> None:
+    """The admin port taken: exit 1 with the reason in a JSON line, nothing left open."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        admin = taken.getsockname()[1]
+        proc = await spawn(
+            "gateway",
+            "--backend",
+            stub.url,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(free_port()),
+            "--admin-port",
+            str(admin),
+            "--workers",
+            "2",
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        _, err = await asyncio.wait_for(proc.communicate(), timeout=30)
+    assert proc.returncode == 1
+    lines = [orjson.loads(line) for line in err.decode().splitlines()]
+    (failure,) = [line for line in lines if "cannot start" in line["message"]]
+    assert failure["level"] == "error"
+    assert "address already in use" in failure["message"].lower()
+    assert not [line for line in lines if "Unclosed" in line["message"]]
