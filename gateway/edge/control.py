@@ -145,6 +145,8 @@ class FanOut:
             return BackendResult(url, 0, f"no answer within {timeout_s:g} s")
         except UpstreamFailure as exc:
             return BackendResult(url, 0, f"broken answer ({exc.cause})")
+        except ValueError:  # a header that would split the request head: nothing was sent
+            return BackendResult(url, 0, "request not sent (a header with CR or LF)")
         return BackendResult(url, resp.status, _decode(data), data, content_type)
 
 

@@ -63,7 +63,6 @@ from gateway.edge.tracing import NO_TRACING, Tracer
 from gateway.edge.upstream import (
     ConnectFailed,
     Upstream,
-    UpstreamError,
     UpstreamFailure,
     UpstreamResponse,
     UpstreamTimeout,
@@ -693,7 +692,7 @@ class Proxy:
                     return self._upstream_failed(
                         exchange, route.family, 504, Outcome.UPSTREAM_TIMEOUT
                     )
-                except UpstreamError as exc:
+                except UpstreamFailure as exc:  # UpstreamError, and any other after the send
                     # The request went out and the backend dropped it: never replay a
                     # generation that may have started.
                     exchange.detail = exc.cause

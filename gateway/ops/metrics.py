@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from http import HTTPStatus
 from typing import Final, Protocol
 
 from prometheus_client import (
@@ -78,9 +79,13 @@ def _status_class(status: int) -> str:
     return f"{status // 100}xx" if 100 <= status < 600 else "other"
 
 
+# The registered codes (and the gateway's 499): a backend that invents codes shows as
+# "other" rather than growing the series count by route x method each time.
+_STATUS_CODES: Final = {s.value: str(s.value) for s in HTTPStatus} | {499: "499"}
+
+
 def _status_code(status: int) -> str:
-    # At most 500 values, and in practice the dozen a proxy answers: a bounded label.
-    return str(status) if 100 <= status < 600 else "other"
+    return _STATUS_CODES.get(status, "other")
 
 
 # The rules a refusal names (Exchange.rejected_by): their outcome series exist from the
@@ -370,7 +375,13 @@ class Metrics(Collector):
         GCCollector(registry=self.registry)
 
     def collect(self) -> Iterable[Metric]:
-        # Every member's upstream series exist from the moment it joins, at 0.
+        # Every member's upstream series exist from the moment it joins, at 0; a backend
+        # that left (discovery churn) takes its never-used ones along.
+        members = {b.url for b in self._pool.backends}
+        for counter in (self.upstream_attempts, self.upstream_errors, self.upstream_responses):
+            stale = [k for k, v in counter.values.items() if not v and k[0] not in members]
+            for key in stale:
+                del counter.values[key]
         for b in self._pool.backends:
             key = (b.url,)
             self.upstream_attempts.inc(key, 0.0)

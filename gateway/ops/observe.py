@@ -146,7 +146,7 @@ class AccessLog:
             f"streamed={'yes' if ex.streamed else 'no'} ttfb_ms={ttfb} "
             f"ms={(end - ex.started) * 1000:.1f}"
             + (f" trace={trace}" if trace else "")
-            + (f" detail={ex.detail}" if ex.detail else "")
+            + (f" detail={orjson.dumps(ex.detail).decode()}" if ex.detail else "")
             + (f" ua={orjson.dumps(ex.user_agent).decode()}" if ex.user_agent else "")
         )
 

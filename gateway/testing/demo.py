@@ -43,6 +43,8 @@ async def _run(host: str, port: int, admin_port: int, stub_port: int) -> None:
             "listen": {"host": host, "port": port},
             "admin": {"host": host, "port": admin_port},
             "backends": {"static": [stub.url]},
+            # A terminal reads the demo: access lines in text, like the messages around them.
+            "logging": {"format": "text"},
         }
     )
     gateway = Gateway(cfg)

@@ -836,3 +836,32 @@ async def test_a_backends_own_5xx_is_counted_apart_from_the_gateways(
     assert sample(m, responses, backend=stub.url, status_class="5xx") == 1.0
     assert sample(m, responses, backend=stub.url, status_class="2xx") == 0.0
     assert sample(m, "sglang_gateway_request_outcomes_total", outcome="ok") == 1.0
+
+
+async def test_an_invented_status_code_is_other_and_a_departed_backend_leaves_no_zeros(
+    stub: StubBackend, make_gateway: GatewayFactory, session: aiohttp.ClientSession
+) -> None:
+    from gateway import config as config_mod
+
+    dead = await dead_url()
+    gw = await make_gateway(stub.url, dead, backends={"health": {"enabled": False}})
+    # Served by the stub either way: a refused connect to the dead one is retried.
+    status, _, _ = await post(session, gw, "/generate", OK_BODY, **{"X-Stub-Status": "599"})
+    assert status == 599
+    _, m = await scrape(session, gw)
+    codes = {
+        dict(labels)["status_code"]
+        for (name, labels), v in m.items()
+        if name == "sglang_gateway_requests_total" and v
+    }
+    assert codes == {"other"}
+    assert (
+        sample(m, "sglang_gateway_upstream_errors_total", backend=dead, cause="upstream_broken")
+        == 0.0
+    )
+    data = config_mod.to_data(gw.cfg)
+    data["backends"]["static"] = [stub.url]
+    assert await gw.reload(config_mod.build(data))
+    _, m = await scrape(session, gw)
+    left = [labels for (name, labels), v in m.items() if ("backend", dead) in labels and not v]
+    assert left == [], left
