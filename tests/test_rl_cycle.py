@@ -145,7 +145,9 @@ async def test_an_rl_training_cycle_through_the_gateway(
         async with asyncio.timeout(10):
             while True:  # routable once each has passed its first probe
                 _, listed = await rl.call("GET", "/workers")
-                if [w["state"] for w in listed["workers"]] == ["healthy"] * ENGINES:
+                # Its weights are read from /model_info beside the probe, not before it.
+                known = [(w["state"], w["weight_version"] is not None) for w in listed["workers"]]
+                if known == [("healthy", True)] * ENGINES:
                     break
                 await asyncio.sleep(0.05)
         assert [w["id"] for w in listed["workers"]] == ids
