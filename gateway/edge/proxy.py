@@ -281,8 +281,11 @@ class Proxy:
         admission: Admission | None = None  # a mask request: only where it is admitted
         if route.inspected:
             budget = self.budget
-            cost = parse_cost(body)
-            if len(body) < SKIM_MIN_BODY and budget.try_acquire(cost):
+            # A large body's cost takes a pass over it (gateway/edge/budget.py): counted
+            # once, by inspect_large, not here as well.
+            small = len(body) < SKIM_MIN_BODY
+            cost = parse_cost(body) if small else 0
+            if small and budget.try_acquire(cost):
                 # Most bodies: inspected at once, with no await on the way.
                 try:
                     verdict = (self._inspect_body or inspect_body)(
