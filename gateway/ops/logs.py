@@ -87,7 +87,8 @@ class AccessWriter:
         self._pending_lines += 1
         if len(buf) >= self._batch:
             self.flush()
-        else:
+        elif self._timer is None or self._timer_loop is None or self._timer_loop.is_closed():
+            # Most lines find the batch's timer armed: no loop lookup for them.
             self._arm()
 
     def _arm(self) -> None:
