@@ -428,7 +428,7 @@ MUTATIONS = [
     (
         "a drop cuts a line written in part",
         "gateway/ops/logs.py",
-        "start = buf.find(b\"\\n\") + 1 if self._partial else 0\n        if start <= 0 and self._partial:\n            return  # the partial line is all there is",
+        'start = buf.find(b"\\n") + 1 if self._partial else 0\n        if start <= 0 and self._partial:\n            return  # the partial line is all there is',
         "start = 0",
         ["tests/ops/test_logs.py"],
     ),
