@@ -393,19 +393,9 @@ class TracedUpstream(Upstream):
         total_s: float | None,
     ) -> UpstreamResponse:
         req = _current.get()
-        if req is None:  # not on behalf of a client request
-            return await super().request(
-                url,
-                method,
-                target,
-                headers,
-                body,
-                connect_s=connect_s,
-                ttfb_s=ttfb_s,
-                total_s=total_s,
-            )
-        span, headers = req.start_upstream(url, method, headers)
-        error = req.tracing.error
+        span: Span | None = None
+        if req is not None:  # else not on behalf of a client request: no span
+            span, headers = req.start_upstream(url, method, headers)
         try:
             resp = await super().request(
                 url,
@@ -417,25 +407,28 @@ class TracedUpstream(Upstream):
                 ttfb_s=ttfb_s,
                 total_s=total_s,
             )
-        except ConnectFailed as exc:
-            # Nothing was sent; the proxy may try another backend under a span of its own.
-            span.add_event("connect_failed", {"gateway.cause": exc.cause})
-            _failed(span, error, "connect_failed")
+        except BaseException as exc:
+            if span is not None and req is not None:
+                _record_failure(span, req.tracing.error, exc)
             raise
-        except UpstreamTimeout:
-            _failed(span, error, "timeout")
-            raise
-        except UpstreamFailure as exc:
-            _failed(span, error, exc.cause)
-            raise
-        except asyncio.CancelledError:  # the client left: not the backend's failure
-            _abandoned(span)
-            raise
-        except Exception as exc:  # a head that could not be sent (ValueError)
-            _failed(span, error, type(exc).__name__)
-            raise
-        req.answered(span, resp.status)
+        if span is not None and req is not None:
+            req.answered(span, resp.status)
         return resp
+
+
+def _record_failure(span: Span, error: StatusCode, exc: BaseException) -> None:
+    if isinstance(exc, ConnectFailed):
+        # Nothing was sent; the proxy may try another backend under a span of its own.
+        span.add_event("connect_failed", {"gateway.cause": exc.cause})
+        _failed(span, error, "connect_failed")
+    elif isinstance(exc, UpstreamTimeout):
+        _failed(span, error, "timeout")
+    elif isinstance(exc, UpstreamFailure):
+        _failed(span, error, exc.cause)
+    elif isinstance(exc, asyncio.CancelledError):  # the client left: not the backend's failure
+        _abandoned(span)
+    else:  # a head that could not be sent (ValueError)
+        _failed(span, error, type(exc).__name__)
 
 
 def _traceparent(span: Span) -> str:
