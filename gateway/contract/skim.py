@@ -237,12 +237,18 @@ def _valid_slice(piece: bytes) -> int | None:
     digits = marks.translate(_ANY_DIGIT) if b"z" in marks else marks
     if _TWENTY_DIGITS in digits:
         return None  # left to the parser (orjson reads such an integer as a float)
-    while b"dd" in digits:  # at most 19 digits: five halvings at most
-        digits = digits.replace(b"dd", b"d")
-    commas = digits.count(b",")
-    if digits != b"d," * commas + b"d":
-        return None  # an empty element, or a sign without digits
-    return commas + 1
+    # Now `d+(,d+)*` exactly when only d and comma are left, no two commas touch and
+    # none opens or closes the list: each a C pass, where collapsing the digit runs took
+    # five rounds of replace over the whole slice.
+    if (
+        not digits
+        or digits.translate(None, b"d,")
+        or b",," in digits
+        or digits.startswith(b",")
+        or digits.endswith(b",")
+    ):
+        return None  # an empty element, a sign without digits, or not a number at all
+    return digits.count(b",") + 1
 
 
 async def _count(body: bytes, start: int, end: int) -> int | None:
