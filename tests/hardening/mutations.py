@@ -327,7 +327,7 @@ MUTATIONS = [
     (
         "large bodies parsed whole (no skim)",
         "gateway/edge/admission.py",
-        "    skimmed = None if ORJSON_SENSITIVE.match(body) else await skim(body, SHAPE_ONLY)",
+        "    skimmed = await skim(body, SHAPE_ONLY) if skimmable and not sensitive else None",
         "    skimmed = None",
         ["tests/hardening/test_inspection_memory.py"],
     ),
