@@ -30,8 +30,9 @@ _PER_VALUE: Final = 24
 def parse_cost(parsed: bytes) -> int:
     if len(parsed) < _FLAT_BELOW:
         return _FLAT_FACTOR * len(parsed)
-    # One pass that drops commas and colons (a third faster than counting each).
-    values = len(parsed) - len(parsed.translate(None, b",:"))
+    # Two counting passes, no copy: a translate would be faster but allocates a body-sized
+    # buffer before the budget is even charged.
+    values = parsed.count(b",") + parsed.count(b":")
     return _PER_BYTE * len(parsed) + _PER_VALUE * values
 
 
