@@ -354,7 +354,7 @@ class Gateway:
             self._session = None
         await self.tracer.shutdown()  # the drained requests' spans
         self.tracer = tracing.NO_TRACING
-        logs.flush()  # the drained requests' lines, before the process exits
+        await logs.flush()  # the drained requests' lines, before the process exits
 
 
 async def serve(

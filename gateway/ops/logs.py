@@ -182,6 +182,16 @@ class AccessWriter:
         if self._buf:
             self._drop(len(self._buf))
 
+    async def settle(self, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+        """drain() from a running loop: the reader gets its time in short sleeps, so the
+        loop (the admin listener, other gateways in the process) is never held."""
+        deadline = time.monotonic() + timeout_s
+        self.flush()
+        while self._buf and not self._broken and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+            self.flush()
+        self.drain(timeout_s=0)  # what is left now is dropped and counted
+
     def _arm_retry(self) -> None:
         with contextlib.suppress(RuntimeError):
             loop = asyncio.get_running_loop()
@@ -225,10 +235,10 @@ def access_writer() -> AccessWriter | None:
     return _writer
 
 
-def flush() -> None:
+async def flush() -> None:
     """Write the lines still buffered (the drain calls this after the last request)."""
     if _writer is not None:
-        _writer.drain()
+        await _writer.settle()
 
 
 # -- operational lines ---------------------------------------------------------------------

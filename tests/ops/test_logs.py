@@ -368,3 +368,32 @@ async def test_undecodable_user_agent_and_templated_paths_are_logged_safely(
     assert first["request_id"] == "ua-1"
     assert first["user_agent"] == "bad\ufffd agent"
     assert second["path"] == "/workers/{id}"
+
+
+async def test_the_drain_waits_for_a_slow_reader_without_holding_the_loop() -> None:
+    """Gateway.stop flushes the last lines: the loop keeps running while it waits, and what
+    a reader that never reads leaves behind is dropped and counted at the deadline."""
+    r, w = os.pipe()  # blocking, like stdout
+    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 4096)
+    try:
+        writer = AccessWriter(w, delay_s=60)
+        for i in range(100):
+            writer.write(b"%03d" % i + b"q" * 96)
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        ticker = asyncio.create_task(tick())
+        async with asyncio.timeout(2):
+            await writer.settle(timeout_s=0.3)
+        ticker.cancel()
+        assert ticks >= 10  # the loop ran all along
+        assert writer.written_lines + writer.dropped_lines == 100
+        assert writer.dropped_lines > 0 and writer._buf == bytearray()
+    finally:
+        os.close(r)
+        os.close(w)
