@@ -153,7 +153,8 @@ class AccessLog:
 
 # W3C trace context: version-traceid-parentid-flags, lower-case hex; an all-zero id is
 # invalid. Only the trace id is logged: it is what joins this line to the trace.
-_TRACEPARENT: Final = re.compile(r"[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}")
+# Version ff is forbidden by the spec.
+_TRACEPARENT: Final = re.compile(r"(?!ff)[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}")
 _ZERO_TRACE: Final = "0" * 32
 
 
@@ -161,6 +162,6 @@ def trace_id(traceparent: str) -> str:
     if not traceparent:
         return ""
     m = _TRACEPARENT.match(traceparent.strip())
-    if m is None or m.group(1) == _ZERO_TRACE or traceparent.startswith("ff"):
+    if m is None or m.group(1) == _ZERO_TRACE:
         return ""
     return m.group(1)
