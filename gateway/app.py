@@ -23,12 +23,12 @@ from gateway.config import GatewayConfig, header_safe
 from gateway.contract.policy import AdmissionRules, Mode, ParallelSampleCap, SamplingMaskRule
 from gateway.contract.routes import RouteTable
 from gateway.edge import tracing
-from gateway.edge.aio import ClientServer
 from gateway.edge.auth import ApiKeys, read_keys_file
 from gateway.edge.clients import AiohttpClients, make_session
 from gateway.edge.control import ControlAccess
 from gateway.edge.headers import ForwardedHeaders
-from gateway.edge.proxy import BUFFERED_BODY_MAX, Proxy, ProxySettings
+from gateway.edge.proxy import Proxy, ProxySettings
+from gateway.edge.server import Listener
 from gateway.edge.upstream import Upstream
 from gateway.fleet.discovery import Resolver
 from gateway.fleet.membership import Fleet
@@ -47,7 +47,7 @@ log = logging.getLogger("gateway.app")
 
 # How long handlers still running at the end of the drain get to close their upstreams
 # once cancelled.
-_CANCEL_WAIT_S: Final = 0.2  # aiohttp waits it twice: for the handlers, then the cancelled ones
+_CANCEL_WAIT_S: Final = 0.2
 # The upstream read size: 128 KiB relayed multi-MB replies best (docs/bench.md, "Tuned
 # constants").
 _UPSTREAM_READ_BUFSIZE: Final = 1 << 17
@@ -158,8 +158,7 @@ class Gateway:
         self.reload_failures = 0
         self._session: aiohttp.ClientSession | None = None
         self._upstream: Upstream | None = None
-        self._http_server: ClientServer | None = None
-        self._runner: web.ServerRunner | None = None
+        self._http_server: Listener | None = None
         self._admin_runner: web.AppRunner | None = None
         self._watch_task: asyncio.Task[None] | None = None
         self.fleet = Fleet(
@@ -224,43 +223,21 @@ class Gateway:
             proxy_settings(cfg), self._upstream, self.fleet, observers, tracer=self.tracer
         )
 
-        server = ClientServer(
-            self.tracer.serve(self.proxy.handle),
-            max_connections=_max_connections(cfg),
-            # A client that goes away cancels its handler, which closes the upstream request.
-            handler_cancellation=True,
-            keepalive_timeout=cfg.timeouts.client_keepalive_s,
-            max_line_size=cfg.limits.max_header_bytes,
-            max_field_size=cfg.limits.max_header_bytes,
-            # Never inflate a compressed request body: the gateway refuses encoded bodies
-            # so that it and SGLang read the same bytes.
-            auto_decompress=False,
-            access_log=None,
-            # A request body up to this size is buffered whole before the handler wakes
-            # (gateway/edge/proxy.py _read_body): one wake-up and one join instead of one per read.
-            read_bufsize=BUFFERED_BODY_MAX,
-        )
-        self._http_server = server
         # The fleet first: a worker restarted under --workers serves only once it knows the
         # registry and engine states its siblings share.
         self.fleet.start(AiohttpClients(self._session))
         if shared is not None:
             await self.fleet.join(shared)
-        # aiohttp's own shutdown waits its timeout for handlers, then as long again for the
-        # cancelled ones: the grace is applied by stop() instead, and aiohttp only gets the
-        # short wait after cancelling what outlived it.
-        self._runner = web.ServerRunner(
-            server, handle_signals=False, shutdown_timeout=_CANCEL_WAIT_S
+        server = Listener(
+            self.tracer.serve(self.proxy.handle),
+            max_connections=_max_connections(cfg),
+            keepalive_s=cfg.timeouts.client_keepalive_s,
+            max_header_bytes=cfg.limits.max_header_bytes,
+            max_body=cfg.limits.max_body_bytes,
         )
-        await self._runner.setup()
-        await web.TCPSite(
-            self._runner,
-            cfg.listen.host,
-            cfg.listen.port,
-            reuse_port=reuse_port or None,
-            backlog=1024,
-        ).start()
-        self.port = _bound_port(self._runner)
+        self._http_server = server
+        await server.start(cfg.listen.host, cfg.listen.port, reuse_port=reuse_port, backlog=1024)
+        self.port = server.port
 
         admin = make_admin_app(ready=self.readiness, metrics=self.metrics.render)
         self._admin_runner = web.AppRunner(admin, handle_signals=False, access_log=None)
@@ -312,6 +289,7 @@ class Gateway:
             self.proxy.budget.limit = settings.max_inspecting
             if self._http_server is not None:
                 self._http_server.max_connections = _max_connections(cfg)
+                self._http_server.max_body = settings.max_body
             await self.fleet.reconfigure(cfg.backends, cfg.policy.sampling_mask.pinned_profile)
             self.cfg = cfg
             self.reloads += 1
@@ -321,11 +299,8 @@ class Gateway:
     async def _drain(self, grace: float) -> None:
         """Stop accepting, close idle connections, and wait up to `grace` for the requests
         in flight (a connection closes after its current reply)."""
-        assert self._runner is not None
-        for site in list(self._runner.sites):
-            await site.stop()
         if self._http_server is not None:
-            self._http_server.pre_shutdown()
+            self._http_server.stop_accepting()
         if self.proxy is not None:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(grace):
@@ -338,10 +313,9 @@ class Gateway:
             self._watch_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch_task
-        if self._runner is not None:
+        if self._http_server is not None:
             await self._drain(self.cfg.timeouts.shutdown_grace_s)
-            await self._runner.cleanup()  # cancels what outlived the grace
-            self._runner = None
+            await self._http_server.shutdown(_CANCEL_WAIT_S)  # cancels what outlived the grace
         await self.fleet.stop()
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()

@@ -1,38 +1,26 @@
 """Every use of aiohttp's internals, in one place: what the gateway extends of aiohttp's
-server and client machinery, and what it checks of aiohttp itself.
+client machinery, and what it checks of aiohttp itself.
 
-aiohttp serves the gateway's listener and parses both directions with its C HTTP parser;
-the gateway changes a few behaviours that aiohttp exposes no option for: error replies and
-log lines that quote no request bytes and a cap on client connections (the listener), a
-relayed response whose head waits for its first body bytes, and an upstream connection that
-speaks only when asked (no stray response is ever read as an answer). These subclass
-aiohttp classes and touch attributes that are not public API, which can change in a patch
-release; keeping them here means one module to review on every aiohttp upgrade, and the
-rest of the gateway imports only aiohttp's public names.
+The request path's upstream connection keeps aiohttp's response side (its C HTTP parser,
+flow control towards the socket, read timeouts) and holds it to one rule: the backend speaks
+only when asked (no stray response is ever read as an answer). That subclasses an aiohttp
+class and touches attributes that are not public API, which can change in a patch release;
+keeping it here means one module to review on every aiohttp upgrade, and the rest of the
+gateway imports only aiohttp's public names.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 from collections.abc import Callable
-from http import HTTPStatus
-from typing import Any, Final, cast
+from typing import Final
 
 import aiohttp
-from aiohttp import http_parser, web
+from aiohttp import http_parser
 from aiohttp.client_proto import ResponseHandler
 from aiohttp.http_parser import RawResponseMessage
 from aiohttp.streams import StreamReader
-from aiohttp.web_protocol import RequestHandler
 
-from gateway.contract import replies
-from gateway.contract.routes import Family
 from gateway.edge.failures import UpstreamBroken, UpstreamError, UpstreamTimeout
-from gateway.edge.headers import SERVER
-from gateway.ops.redact import describe
-
-log = logging.getLogger("gateway.listener")
 
 _MIN_AIOHTTP: Final = (3, 14, 2)
 # Interim (1xx) responses accepted before the final one. RFC 9110 sets no limit, but every
@@ -59,116 +47,7 @@ def check_runtime() -> str | None:
     return None
 
 
-# -- the listener ---------------------------------------------------------------------------
-
-
-class _RequestHandler(RequestHandler):
-    """aiohttp's connection protocol, with error replies and log lines that quote nothing.
-
-    aiohttp answers a request it cannot parse with the parser's message, which echoes the
-    offending bytes, and logs that message with the raw header line or the bytes that
-    followed a body (the next pipelined request: a prompt). The client gets a fixed JSON
-    body; the log gets the status and the exception's type.
-    """
-
-    def handle_error(
-        self,
-        request: web.BaseRequest,
-        status: int = 500,
-        exc: BaseException | None = None,
-        message: str | None = None,
-    ) -> web.StreamResponse:
-        manager = self._manager
-        if isinstance(manager, ClientServer):
-            manager.count_refused(status)
-        log.debug(
-            "refused a request the HTTP parser could not read: %d %s",
-            status,
-            type(exc).__name__ if exc is not None else "-",
-        )
-        if request.writer.output_size > 0:
-            raise ConnectionError("a reply is already under way; the connection is dropped")
-        try:
-            phrase = HTTPStatus(status).phrase
-        except ValueError:
-            phrase = "Error"
-        body = replies.render(Family.PLAIN, status, phrase)
-        resp = web.Response(status=status, body=body, content_type="application/json")
-        resp.headers[SERVER[0]] = SERVER[1]
-        resp.force_close()
-        return resp
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        manager = self._manager
-        if isinstance(manager, ClientServer) and manager.full():
-            # Refused before anything is read, while the process still has descriptors to
-            # spare for its backends, its probes and the admin listener.
-            manager.connections_refused += 1
-            self._manager = None  # never registered: connection_lost has nothing to undo
-            transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
-            transport.write(manager.full_reply)
-            transport.close()
-            return
-        super().connection_made(transport)
-
-    def log_exception(self, *args: Any, **kw: Any) -> None:
-        exc = kw.get("exc_info")
-        detail = describe(exc) if isinstance(exc, BaseException) else "-"
-        log.error("connection handler failed: %s", detail)
-
-    def log_debug(self, *args: Any, **kw: Any) -> None:
-        return  # aiohttp's debug lines may carry exception messages (request bytes)
-
-
-_FULL: Final = (
-    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-    b"Retry-After: 1\r\nConnection: close\r\n"
-    + SERVER[0].encode()
-    + b": "
-    + SERVER[1].encode()
-    + b"\r\nContent-Length: %d\r\n\r\n%s"
-)
-
-
-def _full_reply() -> bytes:
-    body = replies.render(
-        Family.PLAIN, 503, "The gateway is at its client connection limit; retry later."
-    )
-    return _FULL % (len(body), body)
-
-
-class ClientServer(web.Server):
-    """aiohttp's low-level server, counting the requests its parser refused, and holding
-    at most `max_connections` client connections."""
-
-    def __init__(self, *args: Any, max_connections: int, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.refused: dict[int, int] = {}
-        self.max_connections = max_connections
-        self.connections_refused = 0
-        self.full_reply = _full_reply()
-
-    @property
-    def open_connections(self) -> int:
-        return len(self._connections)
-
-    def full(self) -> bool:
-        return len(self._connections) >= self.max_connections
-
-    def count_refused(self, status: int) -> None:
-        self.refused[status] = self.refused.get(status, 0) + 1
-
-    def __call__(self) -> RequestHandler:
-        return _RequestHandler(self, loop=self._loop, **self._kwargs)
-
-
-# -- the request path -------------------------------------------------------------------------
-
-
-class CoalescingResponse(web.StreamResponse):
-    """A relayed response whose headers wait for the first body bytes (one write, not two)."""
-
-    _send_headers_immediately = False
+# -- the request path's upstream connection ---------------------------------------------------
 
 
 class UpstreamConnection(ResponseHandler):

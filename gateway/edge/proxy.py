@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Final
 
 import orjson
-from aiohttp import web
 
 from gateway.contract import replies
 from gateway.contract.inspection import check_headers, inspect_body
@@ -39,7 +38,6 @@ from gateway.contract.routes import (
 from gateway.contract.skim import SKIM_MIN_BODY
 from gateway.edge import registry_api
 from gateway.edge.admission import inspect_large
-from gateway.edge.aio import CoalescingResponse
 from gateway.edge.auth import ApiKeys
 from gateway.edge.budget import InspectionBudget, parse_cost
 from gateway.edge.control import (
@@ -59,6 +57,7 @@ from gateway.edge.headers import (
     ForwardedHeaders,
     valid_request_id,
 )
+from gateway.edge.server import BodyTooLarge, Reply, Request
 from gateway.edge.tracing import NO_TRACING, Tracer
 from gateway.edge.upstream import (
     ConnectFailed,
@@ -83,14 +82,6 @@ log = logging.getLogger("gateway.edge.proxy")
 _VERSION_READ_S: Final = 10.0
 
 _JSON: Final = "application/json"
-_CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
-# Request bodies up to this size are read whole in one go (the server's read buffer is this
-# large, and its high-water mark twice that, so the socket is never paused meanwhile).
-BUFFERED_BODY_MAX: Final = 2 << 20
-
-
-class _TooLarge(Exception):
-    pass
 
 
 class _RequestIds:
@@ -140,7 +131,7 @@ class ProxySettings:
 
 
 class Proxy:
-    """The gateway's request handler (an aiohttp low-level `web.Server` handler)."""
+    """The gateway's request handler (gateway.edge.server's Handler)."""
 
     def __init__(
         self,
@@ -183,7 +174,7 @@ class Proxy:
 
     # -- entry point ---------------------------------------------------------------
 
-    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def handle(self, request: Request) -> Reply | None:
         rid = request.headers.get(REQUEST_ID)
         if not valid_request_id(rid):
             rid = self._ids.next()
@@ -217,8 +208,8 @@ class Proxy:
             # log under the request id; the client gets the route's shape and nothing else.
             log.error("request %s failed inside the gateway: %s", rid, describe(exc))
             exchange.detail = type(exc).__name__
-            if request.writer.output_size > 0:
-                raise  # a reply is already under way: aiohttp drops the connection
+            if request.started:
+                raise  # a reply is already under way: the connection is dropped
             family = route.family if route is not None else Family.PLAIN
             body = replies.render(family, 500, "The gateway failed to handle the request.")
             return self._reply(exchange, 500, body, Outcome.GATEWAY_ERROR, close=True)
@@ -237,12 +228,12 @@ class Proxy:
 
     async def _handle(
         self,
-        request: web.BaseRequest,
+        request: Request,
         settings: ProxySettings,
         route: Route | None,
         raw_path: str,
         exchange: Exchange,
-    ) -> web.StreamResponse:
+    ) -> Reply | None:
         if route is not None and route.kind in (Kind.CONTROL, Kind.REGISTRY):
             # Operators only, by their own keys or address: a client key grants nothing here.
             return await self._control(request, settings, route, raw_path, exchange)
@@ -274,7 +265,7 @@ class Proxy:
             return self._reject(exchange, route.family, rejection, close=request.body_exists)
 
         body = await self._body_or_refusal(request, settings, exchange, route.family)
-        if isinstance(body, web.Response):
+        if isinstance(body, Reply):
             return body
 
         rids: list[str] = []  # SGLang's request ids in the body: who serves them, for aborts
@@ -332,7 +323,7 @@ class Proxy:
                 else:
                     resp = self._reject(exchange, route.family, rejection)
                     if rejection.status == 503:
-                        resp.headers["Retry-After"] = "1"
+                        resp.headers.append(("Retry-After", "1"))
                     return resp
 
         return await self._forward(
@@ -346,7 +337,7 @@ class Proxy:
             admission=admission,
         )
 
-    def _wanted_version(self, request: web.BaseRequest, settings: ProxySettings) -> str | None:
+    def _wanted_version(self, request: Request, settings: ProxySettings) -> str | None:
         """The weight version a request must be served by: its own X-Weight-Version, or
         the latest installed with routing.weight_version: latest; None: any."""
         version = request.headers.get(WEIGHT_VERSION)
@@ -356,14 +347,14 @@ class Proxy:
 
     def _authenticate(
         self,
-        request: web.BaseRequest,
+        request: Request,
         *,
         keys: ApiKeys,
         exempt: frozenset[str],
         route: Route | None,
         raw_path: str,
         exchange: Exchange,
-    ) -> web.Response | None:
+    ) -> Reply | None:
         # Checked before routing, so an unauthenticated client learns nothing about paths.
         path = route.path if route is not None else canonical_path(raw_path.partition("?")[0])
         if path in exempt:
@@ -374,24 +365,24 @@ class Proxy:
         family = route.family if route is not None else Family.PLAIN
         denied = Rejection(401, "auth", reason, "Missing or invalid API key.")
         resp = self._reject(exchange, family, denied, close=request.body_exists)
-        resp.headers["WWW-Authenticate"] = "Bearer"
+        resp.headers.append(("WWW-Authenticate", "Bearer"))
         return resp
 
-    def _wrong_method(self, exchange: Exchange, route: Route) -> web.Response:
+    def _wrong_method(self, exchange: Exchange, route: Route) -> Reply:
         resp = self._reply(exchange, 405, replies.METHOD_NOT_ALLOWED, Outcome.METHOD_NOT_ALLOWED)
-        resp.headers["Allow"] = ", ".join(sorted(route.methods))
+        resp.headers.append(("Allow", ", ".join(sorted(route.methods))))
         return resp
 
     # -- fleet control -----------------------------------------------------------------
 
     async def _control(
         self,
-        request: web.BaseRequest,
+        request: Request,
         settings: ProxySettings,
         route: Route,
         raw_path: str,
         exchange: Exchange,
-    ) -> web.StreamResponse:
+    ) -> Reply | None:
         fanout = self.fanout
         caller = settings.control_access.caller(
             request.headers.get("Authorization"), request.remote
@@ -409,7 +400,7 @@ class Proxy:
         if request.method not in route.methods:
             return self._wrong_method(exchange, route)
         body = await self._body_or_refusal(request, settings, exchange, Family.PLAIN)
-        if isinstance(body, web.Response):
+        if isinstance(body, Reply):
             return body
         if route.kind is Kind.REGISTRY:
             status, answer, change = registry_api.handle(
@@ -521,15 +512,15 @@ class Proxy:
 
     async def _body_or_refusal(
         self,
-        request: web.BaseRequest,
+        request: Request,
         settings: ProxySettings,
         exchange: Exchange,
         family: Family,
-    ) -> bytes | web.Response:
+    ) -> bytes | Reply:
         """The request body, or the 413 / 408 reply for one too large or too slow."""
         try:
             return await self._read_body(request, settings, exchange)
-        except _TooLarge:
+        except BodyTooLarge:
             rejection = Rejection(
                 413,
                 "request_body",
@@ -543,49 +534,29 @@ class Proxy:
         return self._reject(exchange, family, rejection, close=True)
 
     async def _read_body(
-        self, request: web.BaseRequest, settings: ProxySettings, exchange: Exchange
+        self, request: Request, settings: ProxySettings, exchange: Exchange
     ) -> bytes:
         if not request.body_exists:
             return b""
         length = request.content_length
         if length is not None and length > settings.max_body:
-            raise _TooLarge
+            raise BodyTooLarge
         if (
             request.version >= (1, 1)  # HTTP/1.0 has no 100 (RFC 9110 s.10.1.1)
             and request.headers.get("Expect", "").lower() == "100-continue"
         ):
             # Sent only once the declared size passed the cap, so an oversized upload is
             # refused before the client transmits it.
-            await request.writer.write(_CONTINUE)
-        content = request.content
-        if content.is_eof():
+            request.send_continue()
+        if request.body_complete:
             # The whole body came with the headers (most requests): take it without arming
             # a deadline timer, which costs more than the rest of the read.
-            body = content.read_nowait(-1)
+            body = request.take_body()
             if len(body) > settings.max_body:
-                raise _TooLarge
-            exchange.bytes_in = len(body)
-            return body
-        async with asyncio.timeout(settings.body_timeout):
-            if length is not None and length <= BUFFERED_BODY_MAX:
-                # The server's read buffer holds this much without pausing the socket: let
-                # it fill, then take the body in one join (readexactly wakes and joins once
-                # per read: two extra copies of a 1 MB body).
-                await content.wait_eof()
-                body = content.read_nowait(-1)
-                if len(body) != length:
-                    raise asyncio.IncompleteReadError(body, length)
-            elif length is not None:
-                body = await content.readexactly(length)
-            else:
-                chunks: list[bytes] = []
-                size = 0
-                while chunk := await content.readany():
-                    size += len(chunk)
-                    if size > settings.max_body:
-                        raise _TooLarge
-                    chunks.append(chunk)
-                body = b"".join(chunks)
+                raise BodyTooLarge
+        else:
+            async with asyncio.timeout(settings.body_timeout):
+                body = await request.read_body(settings.max_body)
         exchange.bytes_in = len(body)
         return body
 
@@ -593,21 +564,16 @@ class Proxy:
 
     def _reply(
         self, exchange: Exchange, status: int, body: bytes, outcome: Outcome, *, close: bool = False
-    ) -> web.Response:
+    ) -> Reply:
         exchange.status = status
         exchange.outcome = outcome
         exchange.bytes_out = len(body)
-        resp = web.Response(status=status, body=body, content_type=_JSON)
-        resp.headers[REQUEST_ID] = exchange.request_id
-        resp.headers[SERVER[0]] = SERVER[1]
-        if close:
-            # The unread rest of the body would otherwise be parsed as the next request.
-            resp.force_close()
-        return resp
+        # close: the unread rest of the body would otherwise be parsed as the next request.
+        return Reply(status, body, headers=[(REQUEST_ID, exchange.request_id), SERVER], close=close)
 
     def _reject(
         self, exchange: Exchange, family: Family, rejection: Rejection, *, close: bool = False
-    ) -> web.Response:
+    ) -> Reply:
         body = replies.render_rejection(family, rejection)
         exchange.reason = rejection.reason
         if rejection.detail:
@@ -616,7 +582,7 @@ class Proxy:
         exchange.profile = rejection.profile
         return self._reply(exchange, rejection.status, body, Outcome.REJECTED, close=close)
 
-    def _unavailable(self, exchange: Exchange, family: Family, outcome: Outcome) -> web.Response:
+    def _unavailable(self, exchange: Exchange, family: Family, outcome: Outcome) -> Reply:
         status = 503
         if outcome is Outcome.NO_CAPACITY:
             message = "All backends are at their concurrency limit; retry later."
@@ -625,14 +591,14 @@ class Proxy:
         else:
             message = "No healthy backend is available; retry later."
         resp = self._reply(exchange, status, replies.render(family, status, message), outcome)
-        resp.headers["Retry-After"] = "1"
+        resp.headers.append(("Retry-After", "1"))
         return resp
 
     # -- forwarding ----------------------------------------------------------------------
 
     async def _forward(
         self,
-        request: web.BaseRequest,
+        request: Request,
         *,
         settings: ProxySettings,
         route: Route,
@@ -641,7 +607,7 @@ class Proxy:
         exchange: Exchange,
         rids: Sequence[str] = (),
         admission: Admission | None = None,
-    ) -> web.StreamResponse:
+    ) -> Reply | None:
         headers = settings.forwarding.upstream(
             request.headers.items(),
             peer=request.remote,
@@ -718,7 +684,7 @@ class Proxy:
 
     def _upstream_failed(
         self, exchange: Exchange, family: Family, status: int, outcome: Outcome
-    ) -> web.Response:
+    ) -> Reply:
         message = (
             "The backend did not answer in time."
             if status == 504
@@ -728,37 +694,34 @@ class Proxy:
 
     async def _relay(
         self,
-        request: web.BaseRequest,
+        request: Request,
         upstream: UpstreamResponse,
         exchange: Exchange,
         weight_version: str | None,
-    ) -> web.StreamResponse:
+    ) -> Reply | None:
         exchange.first_byte = time.perf_counter()
         exchange.status = upstream.status
         length = upstream.content_length
         exchange.streamed = length is None
         clean = False
         try:
-            # A sized body (a whole JSON reply) goes out with its headers in one write; a
-            # stream (SSE, chunked) gets its headers at once, before its first event.
-            cls = CoalescingResponse if length is not None else web.StreamResponse
-            resp = cls(status=upstream.status, reason=upstream.reason)
-            resp_headers = resp.headers
-            for name, value in ForwardedHeaders.downstream(
+            headers = ForwardedHeaders.downstream(
                 upstream.message.headers.items(), exchange.request_id
-            ):
-                resp_headers.add(name, value)
-            resp_headers.setdefault(*SERVER)
+            )
+            if not any(name.lower() == "server" for name, _ in headers):
+                headers.append(SERVER)
             if weight_version is not None:
                 # The weights that served it, for RL: a header, so the body stays the backend's.
-                resp_headers[WEIGHT_VERSION] = weight_version
+                headers.append((WEIGHT_VERSION, weight_version))
             try:
-                await resp.prepare(request)
+                # A sized body (a whole JSON reply) goes out with its head in one write; a
+                # stream (SSE, chunked) gets its head at once, before its first event.
+                request.start(upstream.status, upstream.reason, headers, sized=length is not None)
             except ConnectionError:
                 # The client left while the backend was preparing its answer: nothing to
                 # send; the upstream is closed below so SGLang aborts the generation.
                 exchange.outcome = Outcome.CLIENT_DISCONNECT
-                return resp
+                return None
             while True:
                 try:
                     chunk = await upstream.read()
@@ -768,25 +731,29 @@ class Proxy:
                     # Content-Length).
                     exchange.outcome = Outcome.UPSTREAM_BROKEN
                     exchange.detail = exc.cause
-                    if request.transport is not None:
-                        request.transport.abort()
-                    return resp
+                    request.abort()
+                    return None
                 if not chunk:
                     break
                 try:
                     if length is not None and exchange.bytes_out + len(chunk) >= length:
-                        await resp.write_eof(chunk)  # headers, body and end in one write
+                        request.end(chunk)  # head, body and end in one write
                         exchange.bytes_out += len(chunk)
                         break
-                    await resp.write(chunk)
+                    request.write(chunk)
+                    await request.drain()
                 except ConnectionError:
                     exchange.outcome = Outcome.CLIENT_DISCONNECT
-                    return resp
+                    return None
                 # Counted as it goes: a client that leaves cancels this handler mid-loop.
                 exchange.bytes_out += len(chunk)
-            await resp.write_eof()  # a no-op when the last chunk already ended it
+            try:
+                request.end()  # a no-op when the last chunk already ended it
+            except ConnectionError:
+                exchange.outcome = Outcome.CLIENT_DISCONNECT
+                return None
             clean = True
-            return resp
+            return None
         finally:
             if clean:
                 upstream.release()
@@ -796,7 +763,7 @@ class Proxy:
                 upstream.close()
 
 
-def _describe_client(request: web.BaseRequest, path: str, exchange: Exchange) -> None:
+def _describe_client(request: Request, path: str, exchange: Exchange) -> None:
     """The client-side fields of the access log line."""
     exchange.client = request.remote or ""
     exchange.path = _printable(path) if not path.isascii() else path

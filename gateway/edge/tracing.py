@@ -23,13 +23,12 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Final, ParamSpec, Protocol
 from urllib.parse import urlsplit
 
-from aiohttp import web
-
 from gateway import build as build_info
 from gateway.config import TRACING_INSTALL, TracingConfig
 from gateway.contract.policy import MaskDemand, Rejection
 from gateway.contract.replies import Outcome
 from gateway.edge.failures import ConnectFailed, UpstreamFailure, UpstreamTimeout
+from gateway.edge.server import Handler, Reply, Request
 from gateway.edge.upstream import Upstream, UpstreamResponse
 from gateway.ops.observe import Exchange, Observer
 
@@ -41,7 +40,6 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Tracer as OtelTracer
 
 P = ParamSpec("P")
-Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 Verdict = Rejection | MaskDemand | None
 
 TRACEPARENT: Final = "traceparent"
@@ -193,7 +191,7 @@ class _Tracing:
         return TracedUpstream
 
     def serve(self, handler: Handler) -> Handler:
-        async def traced(request: web.BaseRequest) -> web.StreamResponse:
+        async def traced(request: Request) -> Reply | None:
             headers = request.headers
             parent = None
             if TRACEPARENT in headers:

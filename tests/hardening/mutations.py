@@ -91,9 +91,9 @@ MUTATIONS = [
     ),
     (
         "chunked size cap removed",
-        "gateway/edge/proxy.py",
-        "if size > settings.max_body:\n                        raise _TooLarge",
-        "if False:\n                        raise _TooLarge",
+        "gateway/edge/server.py",
+        "        if self._size > self._limit:\n            self._overflowed()\n",
+        "        if False:\n            self._overflowed()\n",
         [
             "tests/hardening/test_bad_inputs.py::test_chunked_body_growing_over_the_cap_is_413_mid_read_with_bounded_memory"
         ],
@@ -107,9 +107,9 @@ MUTATIONS = [
     ),
     (
         "handler cancellation off",
-        "gateway/app.py",
-        "handler_cancellation=True,",
-        "handler_cancellation=False,",
+        "gateway/edge/server.py",
+        "            task.cancel()  # the client left: the handler closes its upstream request",
+        "            pass",
         [
             "tests/hardening/test_faults.py::test_client_disconnect_closes_upstream_and_leaks_nothing"
         ],
@@ -117,8 +117,8 @@ MUTATIONS = [
     (
         "no backpressure: response buffered",
         "gateway/edge/proxy.py",
-        "                    await resp.write(chunk)\n",
-        "                    resp._payload_writer.buffer_size = 0; resp._payload_writer._write(chunk) if False else resp._payload_writer.transport.write(chunk)\n",
+        "                    request.write(chunk)\n                    await request.drain()\n",
+        "                    request.write(chunk)\n",
         [
             "tests/hardening/test_faults.py::test_client_that_stops_reading_a_64mb_response_pauses_the_upstream"
         ],
@@ -135,8 +135,8 @@ MUTATIONS = [
     (
         "upstream truncation not made visible",
         "gateway/edge/proxy.py",
-        "                    if request.transport is not None:\n                        request.transport.abort()\n                    return resp",
-        "                    await resp.write_eof()\n                    return resp",
+        "                    request.abort()\n                    return None",
+        "                    request.end()\n                    return None",
         [
             "tests/hardening/test_faults.py::test_backend_process_dying_mid_stream_breaks_the_transfer",
             "tests/hardening/test_faults.py::test_backend_short_body_is_a_broken_transfer",
@@ -159,10 +159,10 @@ MUTATIONS = [
         ],
     ),
     (
-        "parse-error handler reverted",
-        "gateway/app.py",
-        "        server = ClientServer(",
-        "        server = web.Server(",
+        "parser refusals left unanswered",
+        "gateway/edge/server.py",
+        "            self._write_refusal()\n            self._close(linger=True)\n",
+        "            self._close(linger=True)\n",
         ["tests/hardening/test_errors.py"],
     ),
     (
@@ -225,18 +225,12 @@ MUTATIONS = [
         ["tests/hardening/test_protocol_edges.py::test_interim_and_switching_responses"],
     ),
     (
-        # Two layers, removed together: the handler's own quiet error path, and the filter
-        # on aiohttp's loggers (either alone keeps the secrets out).
-        "parser refusals logged with aiohttp's message",
-        ("gateway/edge/aio.py", "gateway/app.py"),
-        (
-            "        manager = self._manager\n        if isinstance(manager, ClientServer):\n            manager.count_refused(status)\n",
-            "        install_log_redaction()\n",
-        ),
-        (
-            "        super().handle_error(request, status, exc, None)\n        manager = self._manager\n        if isinstance(manager, ClientServer):\n            manager.count_refused(status)\n",
-            "",
-        ),
+        # The listener's refusal names only the status; llhttp's own messages quote no
+        # bytes, so the only way a secret gets in is the bytes themselves.
+        "parser refusals logged with the refused bytes",
+        "gateway/edge/server.py",
+        "            self._refuse(cause.status if isinstance(cause, _Refuse) else 400)\n            return\n",
+        '            log.debug("refused %r", data)\n            self._refuse(cause.status if isinstance(cause, _Refuse) else 400)\n            return\n',
         ["tests/hardening/test_log_secrets.py"],
     ),
     (
@@ -248,8 +242,8 @@ MUTATIONS = [
     ),
     (
         "client connections not capped",
-        "gateway/edge/aio.py",
-        "        if isinstance(manager, ClientServer) and manager.full():",
+        "gateway/edge/server.py",
+        "        if listener.full():",
         "        if False:",
         [
             "tests/hardening/test_descriptors.py::test_default_limit_refuses_excess_connections_and_keeps_serving"
@@ -272,8 +266,8 @@ MUTATIONS = [
     (
         "drain waits the grace twice",
         "gateway/app.py",
-        "server, handle_signals=False, shutdown_timeout=_CANCEL_WAIT_S",
-        "server, handle_signals=False, shutdown_timeout=self.cfg.timeouts.shutdown_grace_s",
+        "            await self._http_server.shutdown(_CANCEL_WAIT_S)",
+        "            await asyncio.sleep(self.cfg.timeouts.shutdown_grace_s)\n            await self._http_server.shutdown(_CANCEL_WAIT_S)",
         [
             "tests/hardening/test_protocol_edges.py::test_drain_cuts_streams_at_the_grace_not_twice_it"
         ],
@@ -473,6 +467,41 @@ MUTATIONS = [
         'shown = "" if route is None else route.path if "{" in route.path else path',
         'shown = "" if route is None else path',
         ["tests/ops/test_logs.py"],
+    ),
+    # -- issue 13: the request path's own client protocol ------------------------------------
+    (
+        "head deadline not armed at connect",
+        "gateway/edge/server.py",
+        "        listener.connections.add(self)\n        self._arm_deadline()\n",
+        "        listener.connections.add(self)\n",
+        ["tests/hardening/test_faults.py::test_slowloris_headers_are_cut_at_the_deadline"],
+    ),
+    (
+        "Transfer-Encoding accepted on HTTP/1.0",
+        "gateway/edge/server.py",
+        "        if chunked and version < HTTP_11:",
+        "        if False:",
+        [
+            "tests/hardening/test_bad_inputs.py::test_http_1_0_with_transfer_encoding_is_refused_whole"
+        ],
+    ),
+    (
+        "head size unbounded",
+        "gateway/edge/server.py",
+        "            if self._head_size > self._listener.head_max:",
+        "            if False:",
+        [
+            "tests/hardening/test_bad_inputs.py::test_an_unending_head_is_cut_at_its_cap_with_bounded_memory"
+        ],
+    ),
+    (
+        "no lingering close after a refusal",
+        "gateway/edge/server.py",
+        "        if not linger or not transport.can_write_eof():",
+        "        if True:",
+        [
+            "tests/hardening/test_bad_inputs.py::test_chunked_body_growing_over_the_cap_is_413_mid_read_with_bounded_memory"
+        ],
     ),
 ]
 

@@ -8,6 +8,7 @@ and forwarding headers, request smuggling over raw sockets, and size caps.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 
@@ -491,4 +492,45 @@ async def test_oversized_headers_are_400_or_431(
     raw = await raw_exchange(gateway.port, request_bytes, timeout=3)
     (resp,) = parse_responses(raw)
     assert resp.status in (400, 431), name
+    assert proxied(stub) == []
+
+
+async def test_an_unending_head_is_cut_at_its_cap_with_bounded_memory(
+    stub: StubBackend, gateway: Gateway
+) -> None:
+    """A header value that never ends: each field's cap is only checked once it ends, so
+    the head as a whole is bounded (8 x limits.max_header_bytes), and refused at that."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
+    rss_before = _vmrss_kib()
+    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Endless: ")
+    block = b"a" * (1 << 16)
+    sent = 0
+    with contextlib.suppress(ConnectionError):
+        for _ in range(512):  # up to 32 MiB offered
+            writer.write(block)
+            await writer.drain()
+            sent += len(block)
+            if reader.at_eof() or len(reader._buffer) > 0:  # a reply came
+                break
+    head = await asyncio.wait_for(reader.read(65536), 5)
+    writer.close()
+    assert head.startswith(b"HTTP/1.1 431"), head[:100]
+    assert sent < 32 << 20  # the reply came before the whole offer was sent
+    grown_mib = (_vmrss_kib() - rss_before) / 1024
+    assert grown_mib < 24, f"RSS grew {grown_mib:.1f} MiB for an unending head"
+    assert proxied(stub) == []
+
+
+async def test_http_1_0_with_transfer_encoding_is_refused_whole(
+    stub: StubBackend, gateway: Gateway
+) -> None:
+    """RFC 9112 s.6.1: an HTTP/1.0 message with Transfer-Encoding has faulty framing. A
+    valid chunked body after it is not read as one either: 400, nothing forwarded."""
+    request = (
+        b"POST /generate HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(OK_BODY), OK_BODY)
+    )
+    (resp,) = parse_responses(await raw_exchange(gateway.port, request, timeout=2))
+    assert resp.status == 400
+    assert_no_internals(resp.body, addresses=[stub.url])
     assert proxied(stub) == []

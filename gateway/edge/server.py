@@ -1,0 +1,843 @@
+"""The client side of the request path: one asyncio protocol per connection, over llhttp.
+
+A general web framework builds, for every request, objects the gateway has no use for
+(a request mapping, a response object with its own header multidict, a payload stream, a
+writer) and runs its machinery around them: most of the gateway's CPU on a small request.
+Here the parser's callbacks fill one plain `Request`, the proxy answers it with a `Reply`
+or writes a relayed response straight to the transport, and the connection enforces what
+the edge guarantees:
+
+- llhttp in its strict mode refuses every framing ambiguity (CL+TE, duplicate or
+  malformed Content-Length, obs-fold, bad chunk sizes, bare CR or LF); a Transfer-Encoding
+  on HTTP/1.0 is refused as well (RFC 9112 s.6.1), and so is an upgrade request with a
+  body, whose bytes llhttp would stop parsing at the head;
+- the head is bounded: the request line and each header field by limits.max_header_bytes,
+  at most MAX_HEADERS fields, and the whole head by HEAD_FACTOR times the limit, so a
+  connection's memory is bounded before any field ends;
+- a head must arrive whole within the keep-alive timeout, which runs from the connection's
+  start and from the end of each response (a client dripping bytes gains nothing);
+- requests are answered one at a time, in order; pipelined ones wait parsed, and reading
+  pauses once a few are waiting;
+- a refused request is answered with a fixed JSON body naming no byte of it, after the
+  replies to the requests before it, and the connection closes;
+- a client that goes away (an EOF counts: the half-closed client is indistinguishable from
+  one that left, and SGLang's abort depends on the close) cancels its request's handler,
+  which closes the upstream request, so SGLang aborts the generation;
+- a reply that ends a connection before the client stopped sending is a lingering close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from email.utils import formatdate
+from http import HTTPStatus
+from typing import Final, NamedTuple, cast
+
+import httptools
+from multidict import CIMultiDict
+
+from gateway.contract import replies
+from gateway.contract.routes import Family
+from gateway.edge.headers import SERVER
+from gateway.ops.redact import describe
+
+log = logging.getLogger("gateway.listener")
+
+# Header fields per request: as many as aiohttp's server allows; real clients send 5-20.
+MAX_HEADERS: Final = 128
+# The whole head may be this many times limits.max_header_bytes (128 KiB at the default):
+# the fields' own caps allow more, but the bytes of an unfinished head are held in memory.
+HEAD_FACTOR: Final = 8
+# Parsed requests that may wait behind the one being answered before reading pauses.
+_PIPELINE_DEPTH: Final = 4
+# Small pieces are joined into one bytes object (one write, one send); larger ones go out
+# with writelines, which sends them without a copy.
+_JOIN_MAX: Final = 16 << 10
+
+# How long a closing connection keeps reading (and dropping) what the client still sends.
+_LINGER_S: Final = 2.0
+_CRLF: Final = b"\r\n"
+_CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
+_SERVER_LINE: Final = f"{SERVER[0]}: {SERVER[1]}\r\n"
+_NO_BODY_STATUS: Final = frozenset({204, 304})
+
+
+class HttpVersion(NamedTuple):
+    major: int
+    minor: int
+
+
+HTTP_11: Final = HttpVersion(1, 1)
+HTTP_10: Final = HttpVersion(1, 0)
+_VERSIONS: Final = {"1.1": HTTP_11, "1.0": HTTP_10}
+
+
+class BodyTooLarge(Exception):
+    """The request body grew past the limit it was read under."""
+
+
+class _Refuse(Exception):
+    """Raised from a parser callback: refuse the request with this status."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Unknown"
+
+
+_PHRASES: Final = {s.value: s.phrase for s in HTTPStatus}
+
+
+class _Date:
+    """The Date header's value, formatted once a second rather than per reply."""
+
+    __slots__ = ("_second", "_value")
+
+    def __init__(self) -> None:
+        self._second = -1
+        self._value = ""
+
+    def now(self) -> str:
+        second = int(time.time())
+        if second != self._second:
+            self._second = second
+            self._value = formatdate(second, usegmt=True)
+        return self._value
+
+
+_date = _Date()
+
+
+class Reply:
+    """A reply the gateway makes itself: a status, a whole body, a few headers."""
+
+    __slots__ = ("body", "close", "content_type", "headers", "status")
+
+    def __init__(
+        self,
+        status: int,
+        body: bytes,
+        *,
+        content_type: str = "application/json",
+        headers: list[tuple[str, str]] | None = None,
+        close: bool = False,
+    ) -> None:
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+        self.headers = headers if headers is not None else []
+        self.close = close  # close the connection after it (the body was not read)
+
+
+Handler = Callable[["Request"], Awaitable[Reply | None]]
+
+
+class Request:
+    """One request as the parser read it, and the means to answer it on its connection.
+
+    The proxy answers with a Reply (written by the connection), or relays a response
+    itself with `start`, `write`, `drain` and `end`, and returns None.
+    """
+
+    __slots__ = (
+        "_chunks",
+        "_complete",
+        "_conn",
+        "_ended",
+        "_framing",
+        "_head",
+        "_limit",
+        "_overflow",
+        "_size",
+        "_waiter",
+        "body_exists",
+        "content_length",
+        "headers",
+        "keep_alive",
+        "method",
+        "raw_path",
+        "remote",
+        "started",
+        "version",
+    )
+
+    scheme: Final = "http"
+
+    def __init__(
+        self,
+        conn: _Connection,
+        method: str,
+        raw_path: str,
+        version: HttpVersion,
+        headers: CIMultiDict[str],
+        *,
+        content_length: int | None,
+        chunked: bool,
+        keep_alive: bool,
+        limit: int,
+    ) -> None:
+        self._conn = conn
+        self.method = method
+        self.raw_path = raw_path
+        self.version = version
+        self.headers = headers
+        self.remote = conn.remote
+        self.content_length = content_length
+        self.body_exists = chunked or bool(content_length)
+        self.keep_alive = keep_alive
+        self.started = False  # the response head is written (or queued behind the first bytes)
+        self._ended = False
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._complete = not self.body_exists
+        self._overflow = False
+        self._limit = limit
+        self._waiter: asyncio.Future[None] | None = None
+        self._head: bytes | None = None  # a sized response's head, sent with its first bytes
+        self._framing = 0  # 0: sized or none, 1: chunked, 2: until the connection closes
+
+    # -- the body ----------------------------------------------------------------------------
+
+    @property
+    def body_complete(self) -> bool:
+        return self._complete
+
+    def take_body(self) -> bytes:
+        """The body read so far (all of it once body_complete); BodyTooLarge if it grew
+        past the listener's limit."""
+        if self._overflow:
+            raise BodyTooLarge
+        chunks = self._chunks
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        self._chunks = [body] if body else []
+        return body
+
+    async def read_body(self, limit: int) -> bytes:
+        """Wait for the whole body; BodyTooLarge once it passes `limit` bytes."""
+        if limit < self._limit:
+            self._limit = limit
+            if self._size > limit:
+                self._overflowed()
+        while not self._complete and not self._overflow:
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            self._conn.resume_body()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+        if self._overflow:
+            raise BodyTooLarge
+        return self.take_body()
+
+    def _add(self, data: bytes) -> None:
+        if self._overflow:
+            return
+        self._size += len(data)
+        if self._size > self._limit:
+            self._overflowed()
+            return
+        self._chunks.append(data)
+
+    def _overflowed(self) -> None:
+        # The rest is never read: the reply is a 413 and the connection closes after it.
+        self._overflow = True
+        self._chunks = []
+        self._conn.stop_reading()
+        self._wake()
+
+    def _finish_body(self) -> None:
+        self._complete = True
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- the response ------------------------------------------------------------------------
+
+    def send_continue(self) -> None:
+        self._conn.write_raw(_CONTINUE)
+
+    def start(
+        self, status: int, reason: str, headers: list[tuple[str, str]], *, sized: bool
+    ) -> None:
+        """Begin a relayed response: `headers` are the backend's end-to-end ones (with its
+        Content-Length when `sized`); framing and Connection are added here. A sized
+        response's head waits for its first bytes, so a whole reply leaves in one write;
+        a stream's head goes out at once, before its first event."""
+        conn = self._conn
+        closing = conn.must_close(self)
+        lines = [f"HTTP/1.1 {status} {reason or _phrase(status)}\r\n"]
+        for name, value in headers:
+            lines += (name, ": ", value, "\r\n")
+        bodyless = self.method == "HEAD" or status in _NO_BODY_STATUS or status < 200
+        if not sized and not bodyless:
+            if self.version >= HTTP_11:
+                lines.append("Transfer-Encoding: chunked\r\n")
+                self._framing = 1
+            else:
+                closing = True  # HTTP/1.0 has no chunks: the body ends with the connection
+                self._framing = 2
+        if not any(name.lower() == "date" for name, _ in headers):
+            lines += ("Date: ", _date.now(), "\r\n")
+        if closing:
+            self.keep_alive = False
+            lines.append("Connection: close\r\n\r\n")
+        elif self.version < HTTP_11:
+            lines.append("Connection: keep-alive\r\n\r\n")
+        else:
+            lines.append("\r\n")
+        head = "".join(lines).encode("utf-8", "surrogateescape")
+        self.started = True
+        if bodyless:
+            self._ended = True
+            conn.write_raw(head)
+        elif sized:
+            self._head = head
+        else:
+            conn.write_raw(head)
+
+    def write(self, chunk: bytes) -> None:
+        """Relay a piece of the body; ConnectionError once the client is gone."""
+        if self._ended or not chunk:
+            return
+        conn = self._conn
+        head = self._head
+        if self._framing == 1:
+            size = b"%x\r\n" % len(chunk)
+            if head is not None:
+                self._head = None
+                conn.write_pieces(head, size, chunk, _CRLF)
+            else:
+                conn.write_pieces(size, chunk, _CRLF)
+        elif head is not None:
+            self._head = None
+            conn.write_pieces(head, chunk)
+        else:
+            conn.write_raw(chunk)
+
+    async def drain(self) -> None:
+        """Wait while the client's socket buffer is over its high-water mark."""
+        await self._conn.drain()
+
+    def end(self, chunk: bytes = b"") -> None:
+        """The last piece of the body, and the body's end."""
+        if self._ended:
+            return
+        conn = self._conn
+        head = self._head
+        if self._framing == 1:
+            if chunk:
+                size = b"%x\r\n" % len(chunk)
+                if head is not None:
+                    conn.write_pieces(head, size, chunk, b"\r\n0\r\n\r\n")
+                else:
+                    conn.write_pieces(size, chunk, b"\r\n0\r\n\r\n")
+            else:
+                conn.write_raw(b"0\r\n\r\n")
+        elif head is not None:
+            conn.write_pieces(head, chunk) if chunk else conn.write_raw(head)
+        elif chunk:
+            conn.write_raw(chunk)
+        self._head = None
+        self._ended = True
+
+    def abort(self) -> None:
+        """Reset the connection: a relayed body that broke off must end visibly broken."""
+        self._ended = True
+        self._conn.abort()
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: parses, queues and answers its requests in order."""
+
+    def __init__(self, listener: Listener) -> None:
+        self._listener = listener
+        self._loop = listener.loop
+        self._parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.remote: str | None = None
+        # The message being parsed.
+        self._url = b""
+        self._fields: list[tuple[bytes, bytes]] = []
+        self._parsing: Request | None = None
+        # A head under way (begun, not complete), and the bytes of the reads since the one
+        # it began in: the parser holds an unfinished field without bound.
+        self._in_head = False
+        self._head_size = 0
+        # Requests parsed and waiting their turn; the one being answered.
+        self._queue: deque[Request] = deque()
+        self._active: Request | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+        self._refusal: int | None = None  # answer once the requests before it are answered
+        self._stopped = False  # nothing more is parsed on this connection
+        self._read_paused = False
+        self._write_paused = False
+        self._drain_waiter: asyncio.Future[None] | None = None
+        self.closing = False  # close once the active request is answered (a drain)
+        self._gone = False
+
+    # -- connection events ----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
+        listener = self._listener
+        if listener.full():
+            # Refused before anything is read, while the process still has descriptors to
+            # spare for its backends, its probes and the admin listener.
+            listener.connections_refused += 1
+            self._gone = True
+            transport.write(listener.full_reply)
+            transport.close()
+            return
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.remote = peer[0] if isinstance(peer, tuple) else None
+        listener.connections.add(self)
+        self._arm_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._gone and self.transport is None:
+            return  # refused at the cap, never registered
+        self._gone = True
+        self._listener.connections.discard(self)
+        self._cancel_deadline()
+        task = self._task
+        if task is not None and not task.done():
+            task.cancel()  # the client left: the handler closes its upstream request
+        self._queue.clear()
+        waiter = self._drain_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(ConnectionResetError("the client closed the connection"))
+        parsing = self._parsing
+        if parsing is not None:
+            parsing._wake()
+        self.transport = None
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        waiter = self._drain_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        if self._stopped:
+            return
+        continued = self._in_head  # this read goes on with a head begun before it
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # llhttp stops at an upgrade request's head; the gateway switches no protocol,
+            # so that request is answered as HTTP and the connection closes after it.
+            self._stopped = True
+        except httptools.HttpParserError as exc:
+            cause = exc.__context__
+            if self._stopped:
+                return  # bytes after a request that closes the connection: never read
+            self._refuse(cause.status if isinstance(cause, _Refuse) else 400)
+            return
+        if self._in_head:
+            # Counted from the read after the head's first: the read it began in may hold
+            # the body before it. So the bound is the cap plus one read.
+            self._head_size = self._head_size + len(data) if continued else 0
+            if self._head_size > self._listener.head_max:
+                self._refuse(431)
+
+    def on_message_begin(self) -> None:
+        self._in_head = True
+        self._head_size = 0
+        self._url = b""
+        self._fields = []
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        if len(self._url) > self._listener.max_field:
+            raise _Refuse(400)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        limit = self._listener.max_field
+        fields = self._fields
+        if len(name) > limit or len(value) > limit or len(fields) >= MAX_HEADERS:
+            raise _Refuse(431)
+        fields.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._head_size = 0
+        self._cancel_deadline()
+        parser = self._parser
+        version = _VERSIONS.get(parser.get_http_version())
+        if version is None:
+            raise _Refuse(505)
+        headers: CIMultiDict[str] = CIMultiDict(
+            [
+                (name.decode("latin-1"), value.decode("utf-8", "surrogateescape"))
+                for name, value in self._fields
+            ]
+        )
+        self._fields = []
+        chunked = "Transfer-Encoding" in headers
+        if chunked and version < HTTP_11:
+            raise _Refuse(400)  # RFC 9112 s.6.1: the framing of such a message is faulty
+        length_text = headers.get("Content-Length")
+        length = int(length_text) if length_text is not None else None
+        keep_alive = parser.should_keep_alive()
+        if parser.should_upgrade():
+            if chunked or length:
+                raise _Refuse(400)
+            keep_alive = False
+        request = Request(
+            self,
+            parser.get_method().decode("ascii"),
+            self._url.decode("utf-8", "surrogateescape"),
+            version,
+            headers,
+            content_length=length,
+            chunked=chunked,
+            keep_alive=keep_alive,
+            limit=self._listener.max_body,
+        )
+        self._parsing = request
+        if self._active is None:
+            self._begin(request)
+        else:
+            self._queue.append(request)
+            if len(self._queue) >= _PIPELINE_DEPTH:
+                self._pause_reading()
+
+    def on_body(self, body: bytes) -> None:
+        request = self._parsing
+        if request is not None:
+            request._add(body)
+
+    def on_message_complete(self) -> None:
+        request = self._parsing
+        self._parsing = None
+        if request is not None:
+            request._finish_body()
+            if not request.keep_alive:
+                self._stopped = True  # whatever follows a closing request is never read
+
+    def stop_reading(self) -> None:
+        """Parse nothing more: the request under way is refused, then the connection closes.
+        What still arrives is read and dropped, so the close after the refusal is no reset
+        that could destroy the refusal in the client's buffer."""
+        self._stopped = True
+
+    def resume_body(self) -> None:
+        if self._read_paused and not self._stopped and len(self._queue) < _PIPELINE_DEPTH:
+            self._read_paused = False
+            if self.transport is not None:
+                self.transport.resume_reading()
+
+    def _pause_reading(self) -> None:
+        if not self._read_paused and self.transport is not None:
+            self._read_paused = True
+            self.transport.pause_reading()
+
+    # -- the head deadline ------------------------------------------------------------------
+
+    def _arm_deadline(self) -> None:
+        self._cancel_deadline()
+        self._deadline = self._loop.call_later(self._listener.keepalive_s, self._expired)
+
+    def _cancel_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self) -> None:
+        # Idle, or a head still incomplete: close without a word (nothing was asked).
+        self._deadline = None
+        if self._active is None and self.transport is not None:
+            self.transport.close()
+
+    # -- answering ---------------------------------------------------------------------------
+
+    def _begin(self, request: Request) -> None:
+        self._active = request
+        self._task = self._loop.create_task(self._serve(request))
+
+    async def _serve(self, request: Request) -> None:
+        try:
+            reply = await self._listener.handler(request)
+        except asyncio.CancelledError:
+            return  # the client left (or the drain's grace ran out): nothing to answer
+        except ConnectionError:
+            self.abort()
+            return
+        except Exception as exc:
+            log.error("connection handler failed: %s", describe(exc))
+            if request.started:
+                self.abort()
+                return
+            body = replies.render(Family.PLAIN, 500, "The gateway failed to handle the request.")
+            reply = Reply(500, body, close=True)
+        if self._gone:
+            return
+        if reply is not None:
+            self._send(request, reply)
+        elif not request._ended:
+            self.abort()  # a relay that neither ended nor aborted: never a clean truncation
+            return
+        self._next(request)
+
+    def must_close(self, request: Request) -> bool:
+        """Whether the connection closes after this request's reply."""
+        return (
+            not request.keep_alive
+            or not request._complete
+            or request._overflow
+            or self.closing
+            # Refused bytes follow: the replies to what came before them, then the refusal.
+            or (self._refusal is not None and not self._queue)
+        )
+
+    def _send(self, request: Request, reply: Reply) -> None:
+        status = reply.status
+        body = reply.body
+        closing = reply.close or self.must_close(request)
+        parts = [
+            f"HTTP/1.1 {status} {_PHRASES.get(status) or _phrase(status)}\r\n"
+            f"Content-Type: {reply.content_type}\r\nContent-Length: {len(body)}\r\n"
+        ]
+        for name, value in reply.headers:
+            parts += (name, ": ", value, "\r\n")
+        parts += ("Date: ", _date.now(), "\r\n")
+        if closing:
+            request.keep_alive = False
+            parts.append("Connection: close\r\n\r\n")
+        elif request.version < HTTP_11:
+            parts.append("Connection: keep-alive\r\n\r\n")
+        else:
+            parts.append("\r\n")
+        head = "".join(parts).encode("utf-8", "surrogateescape")
+        request.started = True
+        request._ended = True
+        if request.method == "HEAD" or not body:
+            self.write_raw(head)
+        elif len(body) <= _JOIN_MAX:
+            self.write_raw(head + body)
+        else:
+            self.write_pieces(head, body)
+
+    def _next(self, request: Request) -> None:
+        """The request is answered: close, or go on to the next one."""
+        self._active = None
+        self._task = None
+        transport = self.transport
+        if transport is None:
+            return
+        if self._queue and request.keep_alive and not self.closing:
+            self._begin(self._queue.popleft())
+            self.resume_body()
+            return
+        if request.keep_alive and not self.must_close(request):
+            self._arm_deadline()
+            return
+        if self._refusal is not None:
+            self._write_refusal()
+        self._close(linger=self._stopped or not request._complete)
+
+    def _close(self, *, linger: bool) -> None:
+        """Close after the last reply. Where the client may still be sending (a body the
+        reply did not wait for, bytes after a refusal), closing at once would reset the
+        connection when those bytes land, and a reset discards the reply the client has not
+        read yet: so send FIN, drop what arrives, and close on the client's EOF or after
+        _LINGER_S (a lingering close)."""
+        transport = self.transport
+        if transport is None:
+            return
+        if not linger or not transport.can_write_eof():
+            transport.close()
+            return
+        self._stopped = True
+        if self._read_paused:
+            self._read_paused = False
+            transport.resume_reading()
+        transport.write_eof()
+        self._cancel_deadline()
+        self._deadline = self._loop.call_later(_LINGER_S, transport.close)
+
+    def _refuse(self, status: int) -> None:
+        """The parser refused the bytes: answer after the requests before, then close."""
+        self._listener.count_refused(status)
+        log.debug("refused a request the HTTP parser could not read: %d", status)
+        self._stopped = True
+        self._cancel_deadline()
+        parsing = self._parsing
+        if parsing is not None and not parsing._complete:
+            # Its body will never be complete: a handler waiting on it is answered 400 now.
+            self._parsing = None
+            if parsing is self._active:
+                task = self._task
+                if task is not None:
+                    task.cancel()
+                self._active = None
+                self._task = None
+            elif parsing in self._queue:
+                self._queue.remove(parsing)
+        if self._active is None and not self._queue:
+            self._refusal = status
+            self._write_refusal()
+            self._close(linger=True)
+        else:
+            self._refusal = status
+            self._pause_reading()  # until the replies before it are written
+
+    def _write_refusal(self) -> None:
+        status = self._refusal or 400
+        body = replies.render(Family.PLAIN, status, _phrase(status))
+        head = (
+            f"HTTP/1.1 {status} {_phrase(status)}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n{_SERVER_LINE}Date: {_date.now()}\r\n"
+            "Connection: close\r\n\r\n"
+        )
+        self.write_raw(head.encode() + body)
+
+    # -- writing -----------------------------------------------------------------------------
+
+    def write_raw(self, data: bytes) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the client closed the connection")
+        transport.write(data)
+
+    def write_pieces(self, *pieces: bytes) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the client closed the connection")
+        if sum(len(p) for p in pieces) <= _JOIN_MAX:
+            transport.write(b"".join(pieces))
+        else:
+            transport.writelines(pieces)
+
+    async def drain(self) -> None:
+        if self._gone:
+            raise ConnectionResetError("the client closed the connection")
+        if not self._write_paused:
+            return
+        waiter = self._drain_waiter = self._loop.create_future()
+        try:
+            await waiter
+        finally:
+            self._drain_waiter = None
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    # -- the drain ---------------------------------------------------------------------------
+
+    def close_if_idle(self) -> None:
+        """At a drain: close now if nothing is under way, else after the current reply."""
+        self.closing = True
+        if self._active is None and not self._queue and self.transport is not None:
+            self.transport.close()
+
+    def cancel(self) -> asyncio.Task[None] | None:
+        task = self._task
+        if task is not None and not task.done():
+            task.cancel()
+            return task
+        return None
+
+
+class Listener:
+    """The request path's listener: its connections, their limits, its drain."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        max_connections: int,
+        keepalive_s: float,
+        max_header_bytes: int,
+        max_body: int,
+    ) -> None:
+        self.handler = handler
+        self.max_connections = max_connections
+        self.keepalive_s = keepalive_s
+        self.max_field = max_header_bytes
+        self.head_max = HEAD_FACTOR * max_header_bytes
+        self.max_body = max_body
+        self.connections: set[_Connection] = set()
+        self.connections_refused = 0
+        self.refused: dict[int, int] = {}  # requests the parser refused, by status
+        self.full_reply = _full_reply()
+        self.loop = asyncio.get_running_loop()
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    @property
+    def open_connections(self) -> int:
+        return len(self.connections)
+
+    def full(self) -> bool:
+        return len(self.connections) >= self.max_connections
+
+    def count_refused(self, status: int) -> None:
+        self.refused[status] = self.refused.get(status, 0) + 1
+
+    async def start(self, host: str, port: int, *, reuse_port: bool, backlog: int) -> None:
+        server = await self.loop.create_server(
+            lambda: _Connection(self), host, port, reuse_port=reuse_port or None, backlog=backlog
+        )
+        self._server = server
+        for sock in server.sockets:
+            self.port = int(sock.getsockname()[1])
+            break
+
+    def stop_accepting(self) -> None:
+        """Stop accepting; close idle connections, the others after their current reply."""
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            conn.close_if_idle()
+
+    async def shutdown(self, cancel_wait: float) -> None:
+        """Cancel what outlived the grace, give it `cancel_wait` to close its upstreams,
+        then reset every connection left."""
+        tasks = [t for conn in list(self.connections) if (t := conn.cancel()) is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=cancel_wait)
+        for conn in list(self.connections):
+            conn.abort()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+
+_FULL: Final = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    b"Retry-After: 1\r\nConnection: close\r\n"
+    + SERVER[0].encode()
+    + b": "
+    + SERVER[1].encode()
+    + b"\r\nContent-Length: %d\r\n\r\n%s"
+)
+
+
+def _full_reply() -> bytes:
+    body = replies.render(
+        Family.PLAIN, 503, "The gateway is at its client connection limit; retry later."
+    )
+    return _FULL % (len(body), body)
