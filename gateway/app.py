@@ -48,8 +48,8 @@ log = logging.getLogger("gateway.app")
 # How long handlers still running at the end of the drain get to close their upstreams
 # once cancelled.
 _CANCEL_WAIT_S: Final = 0.2
-# The upstream read size: 128 KiB relayed multi-MB replies best (docs/bench.md, "Tuned
-# constants").
+# Body bytes a caller reading a response (not relaying it: control calls) may have buffered
+# before the backend is paused (docs/bench.md, "Tuned constants").
 _UPSTREAM_READ_BUFSIZE: Final = 1 << 17
 
 

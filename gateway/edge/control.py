@@ -137,7 +137,7 @@ class FanOut:
                 if data is None:
                     resp.close()
                     return BackendResult(url, resp.status, "answer too large to relay")
-                content_type = resp.message.headers.get("Content-Type", "application/json")
+                content_type = resp.header("Content-Type", "application/json") or "application/json"
                 resp.release()
         except ConnectFailed as exc:
             return BackendResult(url, 0, f"could not connect ({exc.cause})")

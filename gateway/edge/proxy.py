@@ -705,9 +705,7 @@ class Proxy:
         exchange.streamed = length is None
         clean = False
         try:
-            headers = ForwardedHeaders.downstream(
-                upstream.message.headers.items(), exchange.request_id
-            )
+            headers = ForwardedHeaders.downstream(upstream.headers, exchange.request_id)
             if not any(name.lower() == "server" for name, _ in headers):
                 headers.append(SERVER)
             if weight_version is not None:
@@ -717,44 +715,28 @@ class Proxy:
                 # A sized body (a whole JSON reply) goes out with its head in one write; a
                 # stream (SSE, chunked) gets its head at once, before its first event.
                 request.start(upstream.status, upstream.reason, headers, sized=length is not None)
-            except ConnectionError:
-                # The client left while the backend was preparing its answer: nothing to
-                # send; the upstream is closed below so SGLang aborts the generation.
-                exchange.outcome = Outcome.CLIENT_DISCONNECT
+                # The body goes from the backend's socket to the client's as it arrives.
+                await upstream.relay(request)
+                request.end()
+            except UpstreamFailure as exc:
+                # The backend broke off or fell silent mid-body. Abort the client's
+                # connection so the truncation is visible (no final chunk, short
+                # Content-Length).
+                exchange.outcome = Outcome.UPSTREAM_BROKEN
+                exchange.detail = exc.cause
+                request.abort()
                 return None
-            while True:
-                try:
-                    chunk = await upstream.read()
-                except UpstreamFailure as exc:
-                    # The backend broke off or fell silent mid-body. Abort the client's
-                    # connection so the truncation is visible (no final chunk, short
-                    # Content-Length).
-                    exchange.outcome = Outcome.UPSTREAM_BROKEN
-                    exchange.detail = exc.cause
-                    request.abort()
-                    return None
-                if not chunk:
-                    break
-                try:
-                    if length is not None and exchange.bytes_out + len(chunk) >= length:
-                        request.end(chunk)  # head, body and end in one write
-                        exchange.bytes_out += len(chunk)
-                        break
-                    request.write(chunk)
-                    await request.drain()
-                except ConnectionError:
-                    exchange.outcome = Outcome.CLIENT_DISCONNECT
-                    return None
-                # Counted as it goes: a client that leaves cancels this handler mid-loop.
-                exchange.bytes_out += len(chunk)
-            try:
-                request.end()  # a no-op when the last chunk already ended it
             except ConnectionError:
+                # The client left: the upstream is closed below so SGLang aborts the
+                # generation.
                 exchange.outcome = Outcome.CLIENT_DISCONNECT
                 return None
             clean = True
             return None
         finally:
+            # Counted by the connection as it goes: a client that leaves cancels this
+            # handler mid-body.
+            exchange.bytes_out = upstream.relayed
             if clean:
                 upstream.release()
             else:

@@ -331,6 +331,16 @@ class Request:
         """Wait while the client's socket buffer is over its high-water mark."""
         await self._conn.drain()
 
+    @property
+    def writing_paused(self) -> bool:
+        """The client's socket buffer is over its high-water mark."""
+        return self._conn.write_paused
+
+    def on_resume(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once the client's socket buffer has drained (a paused backend
+        resumes reading then)."""
+        self._conn.resume_callback = callback
+
     def end(self, chunk: bytes = b"") -> None:
         """The last piece of the body, and the body's end."""
         if self._ended:
@@ -384,7 +394,8 @@ class _Connection(asyncio.Protocol):
         self._refusal: int | None = None  # answer once the requests before it are answered
         self._stopped = False  # nothing more is parsed on this connection
         self._read_paused = False
-        self._write_paused = False
+        self.write_paused = False
+        self.resume_callback: Callable[[], None] | None = None
         self._drain_waiter: asyncio.Future[None] | None = None
         self.closing = False  # close once the active request is answered (a drain)
         self._gone = False
@@ -418,6 +429,7 @@ class _Connection(asyncio.Protocol):
         if task is not None and not task.done():
             task.cancel()  # the client left: the handler closes its upstream request
         self._queue.clear()
+        self.resume_callback = None
         waiter = self._drain_waiter
         if waiter is not None and not waiter.done():
             waiter.set_exception(ConnectionResetError("the client closed the connection"))
@@ -427,10 +439,13 @@ class _Connection(asyncio.Protocol):
         self.transport = None
 
     def pause_writing(self) -> None:
-        self._write_paused = True
+        self.write_paused = True
 
     def resume_writing(self) -> None:
-        self._write_paused = False
+        self.write_paused = False
+        callback, self.resume_callback = self.resume_callback, None
+        if callback is not None:
+            callback()
         waiter = self._drain_waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -732,7 +747,7 @@ class _Connection(asyncio.Protocol):
     async def drain(self) -> None:
         if self._gone:
             raise ConnectionResetError("the client closed the connection")
-        if not self._write_paused:
+        if not self.write_paused:
             return
         waiter = self._drain_waiter = self._loop.create_future()
         try:

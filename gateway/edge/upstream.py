@@ -1,13 +1,12 @@
 """The proxy's upstream HTTP/1.1 client: pooled keep-alive connections, one write per request.
 
-aiohttp's ClientSession does much per request that a proxy forwarding bytes has no use for
-(URL objects, cookie jar, auto headers, payload registry, tracing, request and response
-objects): about a quarter of the gateway's CPU on small requests. This client keeps
-aiohttp's response side, its connection protocol (`client_proto.ResponseHandler`: the C
-HTTP parser, flow control towards the socket, read timeouts), and replaces the rest: the
-request head is built as one string and written with the body in one call, and idle
-connections are pooled per backend here. Health probes and discovery still use a
-ClientSession; they are not on the request path.
+A general client does much per request that a proxy forwarding bytes has no use for (URL
+objects, cookie jar, auto headers, payload registry, tracing, request and response
+objects). Here the request head is built as one string and written with the body in one
+call, idle connections are pooled per backend, and each connection is a
+gateway/edge/relay.py BackendConnection: llhttp reads the response, and its body goes to
+the client as it arrives. Health probes and discovery use aiohttp; they are not on the
+request path.
 """
 
 from __future__ import annotations
@@ -16,15 +15,9 @@ import asyncio
 import errno
 import ssl
 from collections import deque
-from typing import Final
+from typing import TYPE_CHECKING, Final
 from urllib.parse import urlsplit
 
-from aiohttp import ClientError
-from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.http_parser import RawResponseMessage
-from aiohttp.streams import StreamReader
-
-from gateway.edge.aio import UpstreamConnection
 from gateway.edge.failures import (
     ConnectFailed,
     UpstreamBroken,
@@ -32,7 +25,11 @@ from gateway.edge.failures import (
     UpstreamFailure,
     UpstreamTimeout,
 )
+from gateway.edge.relay import BackendConnection
 from gateway.runtime import is_local
+
+if TYPE_CHECKING:
+    from gateway.edge.server import Request
 
 __all__ = [
     "ConnectFailed",
@@ -45,10 +42,6 @@ __all__ = [
     "build_head",
 ]
 
-# What aiohttp's response side raises (its client errors, the C parser's errors, a socket
-# error under a read): translated here, in the one place that knows aiohttp's types.
-_AIOHTTP_FAILURES: Final = (ClientError, HttpProcessingError, OSError)
-
 _CRLF: Final = "\r\n"
 _NO_BODY_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 
@@ -59,7 +52,7 @@ def build_head(
     """The request line and header block: Host added where the client sent none, and a
     Content-Length for the bytes that follow (or 0 where a method implies a body).
 
-    Header names and values come from aiohttp's parser or from the gateway itself; a CR or
+    Header names and values come from the request parser or from the gateway itself; a CR or
     LF in any of them (a config value, say) would split the head, so the line count is
     checked once on the whole string rather than per value.
     """
@@ -84,7 +77,7 @@ def build_head(
     text = "".join(parts)
     if text.count("\n") != lines or text.count("\r") != lines:
         raise ValueError("a header name or value contains CR or LF")
-    # surrogateescape: bytes aiohttp's parser decoded that way go out as they came in.
+    # surrogateescape: bytes the request parser decoded that way go out as they came in.
     return text.encode("utf-8", "surrogateescape")
 
 
@@ -100,34 +93,47 @@ class _Endpoint:
         self.host_header = parts.netloc
         self.tls = parts.scheme == "https"
         # (protocol, loop time after which it is too old to reuse); newest on the right.
-        self.idle: deque[tuple[UpstreamConnection, float]] = deque()
+        self.idle: deque[tuple[BackendConnection, float]] = deque()
 
 
 class UpstreamResponse:
-    """A response whose head has arrived; `read` streams its body."""
+    """A response whose head has arrived; `relay` or `read` takes its body."""
 
-    __slots__ = ("_deadline", "_endpoint", "_owner", "_proto", "content", "message")
+    __slots__ = (
+        "_conn",
+        "_deadline",
+        "_endpoint",
+        "_owner",
+        "_proto",
+        "headers",
+        "reason",
+        "status",
+    )
 
     def __init__(
         self,
         owner: Upstream,
         endpoint: _Endpoint,
-        proto: UpstreamConnection,
+        proto: BackendConnection,
         *,
-        message: RawResponseMessage,
-        content: StreamReader,
         deadline: asyncio.TimerHandle | None,
     ) -> None:
         self._owner = owner
         self._endpoint = endpoint
-        self._proto: UpstreamConnection | None = proto
+        self._proto: BackendConnection | None = proto
         self._deadline = deadline
-        self.message = message
-        self.content = content
+        self.status = proto.status
+        self.reason = proto.reason
+        self.headers = proto.headers  # (name, value) as the backend sent them, in order
+        self._conn = proto
 
-    @property
-    def status(self) -> int:
-        return self.message.code
+    def header(self, name: str, default: str | None = None) -> str | None:
+        """The first value of a header, by case-insensitive name."""
+        lowered = name.lower()
+        for key, value in self.headers:
+            if key.lower() == lowered:
+                return value
+        return default
 
     async def read(self) -> bytes:
         """The next piece of the body as it arrives; b"" at its end.
@@ -135,26 +141,30 @@ class UpstreamResponse:
         Raises UpstreamTimeout when no byte came within the idle timeout (or the total
         deadline passed), UpstreamBroken when the body broke off.
         """
-        try:
-            return await self.content.readany()
-        except TimeoutError as exc:
-            raise UpstreamTimeout(type(exc).__name__) from exc
-        except _AIOHTTP_FAILURES as exc:
-            raise UpstreamBroken(type(exc).__name__) from exc
+        return await self._conn.read()
+
+    async def relay(self, sink: Request) -> None:
+        """Write the body to the client's connection as it arrives, to its end.
+
+        Raises UpstreamTimeout or UpstreamBroken as `read` does, and ConnectionError when
+        the client is gone.
+        """
+        await self._conn.relay(sink)
 
     @property
-    def reason(self) -> str:
-        return self.message.reason
+    def relayed(self) -> int:
+        """Body bytes written to the client so far."""
+        return self._conn.relayed
 
     @property
     def content_length(self) -> int | None:
-        value = self.message.headers.get("Content-Length")
+        value = self.header("Content-Length")
         return int(value) if value is not None and value.isdigit() else None
 
     def set_idle_timeout(self, seconds: float | None) -> None:
         """From now on bound the silence between chunks, not the wait for the head."""
         if self._proto is not None:
-            self._proto.read_timeout = seconds
+            self._proto.set_read_timeout(seconds)
 
     def release(self) -> None:
         """The body was read to its end: keep the connection for the next request."""
@@ -168,7 +178,7 @@ class UpstreamResponse:
         if proto is not None:
             _shut(proto)
 
-    def _take(self) -> UpstreamConnection | None:
+    def _take(self) -> BackendConnection | None:
         proto, self._proto = self._proto, None
         if proto is not None:
             self._owner.active -= 1
@@ -190,9 +200,8 @@ class Upstream:
         max_field_size: int,
     ) -> None:
         self._keepalive_s = keepalive_s
-        self._read_bufsize = read_bufsize
-        self._max_line_size = max_line_size
-        self._max_field_size = max_field_size
+        self._read_bufsize = read_bufsize  # body bytes buffered for a reader before a pause
+        self._max_field_size = max(max_line_size, max_field_size)
         # Only backends with pooled connections stay here (the sweep drops the rest), so
         # pods that come and go under discovery do not pile up over the gateway's life.
         self._endpoints: dict[str, _Endpoint] = {}
@@ -246,64 +255,41 @@ class Upstream:
         self.active += 1
         deadline = None
         try:
-            head_only = method == "HEAD"
-            if proto.head_only is head_only:
-                proto.read_timeout = ttfb_s
-            else:
-                proto.set_response_params(
-                    skip_payload=head_only,
-                    read_until_eof=True,
-                    auto_decompress=False,
-                    read_timeout=ttfb_s,
-                    read_bufsize=self._read_bufsize,
-                    max_line_size=self._max_line_size,
-                    max_field_size=self._max_field_size,
-                )
-                proto.head_only = head_only
+            proto.begin(head_only=method == "HEAD", read_timeout=ttfb_s)
             transport = proto.transport
             assert transport is not None
-            proto.begin()
             if body:
                 transport.writelines((head, body))
             else:
                 transport.write(head)
-            proto.start_timeout()
             if total_s is not None:
                 # The same error a read timeout raises, for the head or for the body.
-                deadline = loop.call_later(total_s, proto._on_read_timeout)
-            while True:
-                try:
-                    message, content = await proto.read()
-                except UpstreamFailure:
-                    raise
-                except TimeoutError as exc:
-                    raise UpstreamTimeout(type(exc).__name__) from exc
-                except _AIOHTTP_FAILURES as exc:
-                    raise UpstreamError(type(exc).__name__) from exc
-                if message.code == 101:
-                    # The gateway relays HTTP/1.1 only; going on after a protocol switch
-                    # would read the new protocol's bytes as HTTP.
-                    raise UpstreamError("switched protocols (101)")
-                # 1xx answers are interim; the real response follows on the connection.
-                if not 100 <= message.code <= 199:
-                    break
+                deadline = loop.call_later(total_s, proto.expire)
+            # Interim (1xx) answers are skipped by the connection, which caps them.
+            await proto.head()
+            if proto.status == 101:
+                # The gateway relays HTTP/1.1 only; going on after a protocol switch would
+                # read the new protocol's bytes as HTTP.
+                raise UpstreamError("switched protocols (101)")
         except BaseException:
             if deadline is not None:
                 deadline.cancel()
             self.active -= 1
             _shut(proto)
             raise
-        return UpstreamResponse(
-            self, endpoint, proto, message=message, content=content, deadline=deadline
-        )
+        return UpstreamResponse(self, endpoint, proto, deadline=deadline)
 
     async def _connect(
         self, endpoint: _Endpoint, loop: asyncio.AbstractEventLoop, connect_s: float
-    ) -> UpstreamConnection:
+    ) -> BackendConnection:
         try:
             async with asyncio.timeout(connect_s):
                 _, proto = await loop.create_connection(
-                    lambda: UpstreamConnection(loop),
+                    lambda: BackendConnection(
+                        loop,
+                        max_field_size=self._max_field_size,
+                        read_high_water=self._read_bufsize,
+                    ),
                     endpoint.host,
                     endpoint.port,
                     ssl=self._tls_context() if endpoint.tls else None,
@@ -329,7 +315,7 @@ class Upstream:
             self._tls = ssl.create_default_context()
         return self._tls
 
-    def _take_idle(self, endpoint: _Endpoint, now: float) -> UpstreamConnection | None:
+    def _take_idle(self, endpoint: _Endpoint, now: float) -> BackendConnection | None:
         idle = endpoint.idle
         while idle:
             proto, expires = idle.pop()
@@ -338,7 +324,7 @@ class Upstream:
             _shut(proto)
         return None
 
-    def put_idle(self, endpoint: _Endpoint, proto: UpstreamConnection) -> None:
+    def put_idle(self, endpoint: _Endpoint, proto: BackendConnection) -> None:
         transport = proto.transport
         if (
             self._closed
@@ -388,14 +374,14 @@ class Upstream:
                 endpoint.idle.pop()[0].close()
 
 
-def _retire(idle: deque[tuple[UpstreamConnection, float]], now: float) -> None:
+def _retire(idle: deque[tuple[BackendConnection, float]], now: float) -> None:
     """Close pooled connections that are too old or closed, oldest first: the gateway retires
     them before the backend's own idle timeout can close one under a new request."""
     while idle and (idle[0][1] <= now or not idle[0][0].reusable):
         _shut(idle.popleft()[0])
 
 
-def _shut(proto: UpstreamConnection) -> None:
+def _shut(proto: BackendConnection) -> None:
     """Close a connection now. A plain close waits until queued bytes are sent, which a
     backend that stopped reading the request body would never allow: reset it instead."""
     transport = proto.transport

@@ -302,7 +302,7 @@ async def test_an_answer_before_the_whole_body_was_taken_retires_the_connection(
             resp = await upstream.request(
                 url, "POST", "/generate", [], big, connect_s=2, ttfb_s=2, total_s=None
             )
-            assert resp.status == 200 and await resp.content.read() == b"ok"
+            assert resp.status == 200 and await resp.read() == b"ok"
             resp.release()
             assert upstream.pool_state() == (0, 0)
         assert connections == 2
@@ -377,6 +377,13 @@ def _reset_after(data: bytes) -> Script:
 _HEAD = b"HTTP/1.1 200 OK\r\n"
 FAILURES: list[tuple[str, Script, type[UpstreamFailure]]] = [
     ("closed before the head", _close, UpstreamError),
+    (
+        # A header value that never ends, on a connection held open: refused at the head's
+        # cap (8 x the field limit), not held until the head's timeout.
+        "an unending head",
+        _send(_HEAD + b"X: ", *[b"a" * (1 << 16)] * 32, then_close=False, hold_s=2),
+        UpstreamError,
+    ),
     ("not HTTP", _send(b"SSH-2.0-OpenSSH_9.6\r\n\r\n"), UpstreamError),
     ("a bad status line", _send(b"HTTP/1.1 2x0 OK\r\n\r\n"), UpstreamError),
     ("half a head, then close", _send(b"HTTP/1.1 200 OK\r\nContent-Le"), UpstreamError),

@@ -492,6 +492,35 @@ async def test_client_that_stops_reading_a_64mb_response_pauses_the_upstream(
     await settle(lambda: gateway.proxy is not None and gateway.proxy.inflight == 0)
 
 
+async def test_a_client_that_pauses_reading_gets_the_whole_response(
+    stub: StubBackend, make_gateway: GatewayFactory
+) -> None:
+    """The other half of backpressure: once a slow client drains its buffer, reading from
+    the paused backend resumes, and every byte arrives."""
+    gateway = await make_gateway(stub.url, backends={"health": {"enabled": False}})
+    size = 16 << 20
+    request = (
+        b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"X-Stub-Response-Bytes: %d\r\nContent-Length: %d\r\n\r\n%s" % (size, len(OK), OK)
+    )
+    reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port, limit=1 << 16)
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(__import__("socket").SOL_SOCKET, __import__("socket").SO_RCVBUF, 1 << 16)
+    writer.write(request)
+    await writer.drain()
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+    got = 0
+    async with asyncio.timeout(20):
+        while got < length:
+            got += len(await reader.readexactly(min(1 << 20, length - got)))
+            writer.transport.pause_reading()  # a reader that stops now and then
+            await asyncio.sleep(0.05)
+            writer.transport.resume_reading()
+    writer.close()
+    assert got == length >= size
+
+
 # -- connection pool exhausted --------------------------------------------------------------------
 
 
