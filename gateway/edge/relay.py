@@ -73,7 +73,8 @@ class BackendConnection(asyncio.Protocol):
         self._reason = b""
         self._fields: list[tuple[bytes, bytes]] = []
         self._until_eof = False  # no length, no chunks: the body ends with the connection
-        self._chunks: list[bytes] = []
+        self._chunks: list[bytes] = []  # body read before a relay (or a reader) took it
+        self._out: list[bytes] = []  # body of the current read, for the relay's one write
         self._buffered = 0
         self._done = False
         self._failure: BaseException | None = None
@@ -99,6 +100,7 @@ class BackendConnection(asyncio.Protocol):
         self.headers = []
         self.relayed = 0
         self._head_bytes = 0
+        self._out = []
         self._chunks = []
         self._buffered = 0
         self._done = False
@@ -138,13 +140,16 @@ class BackendConnection(asyncio.Protocol):
         when the client is gone.
         """
         self._sink = sink
-        if self._chunks:
-            chunks = self._chunks
+        chunks = self._chunks
+        if chunks or self._done:
+            # What came with the head (a whole small reply, often) leaves with it, in one write.
             self._chunks = []
             self._buffered = 0
             for chunk in chunks:
                 self.relayed += len(chunk)
-                sink.write(chunk)
+            sink.send(chunks, last=self._done)
+        else:
+            sink.flush_head()  # nothing yet: the client gets the head before the first event
         if not sink.writing_paused:
             self._resume_reading()
         else:
@@ -224,6 +229,9 @@ class BackendConnection(asyncio.Protocol):
             self.should_close = True
         except httptools.HttpParserError as exc:
             if isinstance(exc.__context__, _Abandon):
+                # Parsing stopped on purpose; a whole response before it still goes out.
+                if self._failure is None:
+                    self._flush()
                 return
             if not had_head:
                 # The head came in the same read as the fault: it is never handed over,
@@ -233,6 +241,7 @@ class BackendConnection(asyncio.Protocol):
             self.fail(kind(type(exc).__name__))
             self.abort()
             return
+        self._flush()
         if self.expecting and not self.final_head:
             # The parser holds an unfinished field without bound: the head as a whole is
             # bounded (to the cap plus one read; the read a head ends in is not counted).
@@ -240,6 +249,21 @@ class BackendConnection(asyncio.Protocol):
             if self._head_bytes > HEAD_FACTOR * self._max_field:
                 self.fail(UpstreamError("LineTooLong"))
                 self.abort()
+
+    def _flush(self) -> None:
+        """Send the body pieces of this read to the client, with the body's end if it came."""
+        sink = self._sink
+        if sink is None or not (self._out or self._done):
+            return
+        out = self._out
+        self._out = []
+        try:
+            sink.send(out, last=self._done)
+        except ConnectionError as exc:
+            self.fail(exc)
+            return
+        if sink.writing_paused:
+            self._pause_for(sink)
 
     def _refuse(self) -> None:
         if not self.unsolicited:
@@ -330,14 +354,9 @@ class BackendConnection(asyncio.Protocol):
             if self._buffered > self._high_water:
                 self._pause_reading()
             return
+        # Sent once the read is parsed: every piece of one read in one write.
         self.relayed += len(body)
-        try:
-            sink.write(body)
-        except ConnectionError as exc:
-            self.fail(exc)
-            raise _Abandon from None
-        if sink.writing_paused:
-            self._pause_for(sink)
+        self._out.append(body)
 
     def on_message_complete(self) -> None:
         if not self.final_head:

@@ -273,9 +273,10 @@ class Request:
         self, status: int, reason: str, headers: list[tuple[str, str]], *, sized: bool
     ) -> None:
         """Begin a relayed response: `headers` are the backend's end-to-end ones (with its
-        Content-Length when `sized`); framing and Connection are added here. A sized
-        response's head waits for its first bytes, so a whole reply leaves in one write;
-        a stream's head goes out at once, before its first event."""
+        Content-Length when `sized`); framing and Connection are added here. The head waits
+        for the body's first bytes, so a whole reply leaves in one write; the relay flushes
+        it alone when no bytes are there yet (a stream's head goes out before its first
+        event)."""
         conn = self._conn
         closing = conn.must_close(self)
         lines = [f"HTTP/1.1 {status} {reason or _phrase(status)}\r\n"]
@@ -303,29 +304,42 @@ class Request:
         if bodyless:
             self._ended = True
             conn.write_raw(head)
-        elif sized:
-            self._head = head
         else:
-            conn.write_raw(head)
+            self._head = head
+
+    def flush_head(self) -> None:
+        """Send a head still waiting for body bytes."""
+        head = self._head
+        if head is not None:
+            self._head = None
+            self._conn.write_raw(head)
+
+    def send(self, pieces: list[bytes], *, last: bool) -> None:
+        """Relay pieces of the body (and its end, when `last`) in one write, with a head
+        still waiting; ConnectionError once the client is gone."""
+        if self._ended:
+            return
+        out: list[bytes] = []
+        head = self._head
+        if head is not None:
+            self._head = None
+            out.append(head)
+        if self._framing == 1:
+            for piece in pieces:
+                if piece:
+                    out += (b"%x\r\n" % len(piece), piece, _CRLF)
+            if last:
+                out.append(b"0\r\n\r\n")
+        else:
+            out += pieces
+        if last:
+            self._ended = True
+        if out:
+            self._conn.write_pieces(*out)
 
     def write(self, chunk: bytes) -> None:
         """Relay a piece of the body; ConnectionError once the client is gone."""
-        if self._ended or not chunk:
-            return
-        conn = self._conn
-        head = self._head
-        if self._framing == 1:
-            size = b"%x\r\n" % len(chunk)
-            if head is not None:
-                self._head = None
-                conn.write_pieces(head, size, chunk, _CRLF)
-            else:
-                conn.write_pieces(size, chunk, _CRLF)
-        elif head is not None:
-            self._head = None
-            conn.write_pieces(head, chunk)
-        else:
-            conn.write_raw(chunk)
+        self.send([chunk], last=False)
 
     async def drain(self) -> None:
         """Wait while the client's socket buffer is over its high-water mark."""
@@ -343,25 +357,7 @@ class Request:
 
     def end(self, chunk: bytes = b"") -> None:
         """The last piece of the body, and the body's end."""
-        if self._ended:
-            return
-        conn = self._conn
-        head = self._head
-        if self._framing == 1:
-            if chunk:
-                size = b"%x\r\n" % len(chunk)
-                if head is not None:
-                    conn.write_pieces(head, size, chunk, b"\r\n0\r\n\r\n")
-                else:
-                    conn.write_pieces(size, chunk, b"\r\n0\r\n\r\n")
-            else:
-                conn.write_raw(b"0\r\n\r\n")
-        elif head is not None:
-            conn.write_pieces(head, chunk) if chunk else conn.write_raw(head)
-        elif chunk:
-            conn.write_raw(chunk)
-        self._head = None
-        self._ended = True
+        self.send([chunk] if chunk else [], last=True)
 
     def abort(self) -> None:
         """Reset the connection: a relayed body that broke off must end visibly broken."""
@@ -739,7 +735,9 @@ class _Connection(asyncio.Protocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             raise ConnectionResetError("the client closed the connection")
-        if sum(len(p) for p in pieces) <= _JOIN_MAX:
+        if len(pieces) == 1:
+            transport.write(pieces[0])
+        elif sum(len(p) for p in pieces) <= _JOIN_MAX:
             transport.write(b"".join(pieces))
         else:
             transport.writelines(pieces)
@@ -813,7 +811,14 @@ class Listener:
 
     async def start(self, host: str, port: int, *, reuse_port: bool, backlog: int) -> None:
         server = await self.loop.create_server(
-            lambda: _Connection(self), host, port, reuse_port=reuse_port or None, backlog=backlog
+            lambda: _Connection(self),
+            host,
+            port,
+            # Said, not left to the default: a restart binds at once, beside the last
+            # run's connections in TIME_WAIT.
+            reuse_address=True,
+            reuse_port=reuse_port or None,
+            backlog=backlog,
         )
         self._server = server
         for sock in server.sockets:
