@@ -103,8 +103,11 @@ class ForwardedHeaders:
     ) -> list[tuple[str, str]]:
         """Request headers to send upstream: end-to-end ones kept in order, ours added."""
         items = list(headers.items()) if isinstance(headers, Mapping) else list(headers)
-        drop = self._drop | _connection_tokens(items)
-        out = [(k, v) for k, v in items if k.lower() not in drop]
+        names = [name.lower() for name, _ in items]  # once: this runs for every request
+        drop = self._drop
+        if "connection" in names:
+            drop = drop | _connection_tokens(items)
+        out = [item for item, name in zip(items, names, strict=True) if name not in drop]
         if self._authorization is not None:
             out.append(("Authorization", self._authorization))
         forwarded_for = peer or ""
@@ -123,10 +126,21 @@ class ForwardedHeaders:
         return out
 
     @staticmethod
-    def downstream(headers: Iterable[tuple[str, str]], request_id: str) -> list[tuple[str, str]]:
-        """Response headers to send to the client; framing is re-derived by the server."""
+    def downstream(
+        headers: Iterable[tuple[str, str]],
+        request_id: str,
+        server: tuple[str, str] | None = None,
+    ) -> list[tuple[str, str]]:
+        """Response headers to send to the client; framing is re-derived by the server.
+        `server` is added where the backend named none. (One pass of lowering, as this
+        runs for every relayed response.)"""
         items = list(headers)
-        drop = _RESPONSE_DROP | _connection_tokens(items)
-        out = [(k, v) for k, v in items if k.lower() not in drop]
+        names = [name.lower() for name, _ in items]
+        drop = (
+            _RESPONSE_DROP | _connection_tokens(items) if "connection" in names else _RESPONSE_DROP
+        )
+        out = [item for item, name in zip(items, names, strict=True) if name not in drop]
         out.append((REQUEST_ID, request_id))
+        if server is not None and "server" not in names:
+            out.append(server)
         return out

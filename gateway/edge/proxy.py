@@ -705,9 +705,7 @@ class Proxy:
         exchange.streamed = length is None
         clean = False
         try:
-            headers = ForwardedHeaders.downstream(upstream.headers, exchange.request_id)
-            if not any(name.lower() == "server" for name, _ in headers):
-                headers.append(SERVER)
+            headers = ForwardedHeaders.downstream(upstream.headers, exchange.request_id, SERVER)
             if weight_version is not None:
                 # The weights that served it, for RL: a header, so the body stays the backend's.
                 headers.append((WEIGHT_VERSION, weight_version))

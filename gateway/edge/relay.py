@@ -366,8 +366,7 @@ class BackendConnection(asyncio.Protocol):
     def _message_done(self) -> None:
         self._done = True
         self.expecting = False
-        self._cancel_timer()
-        self._wake()
+        self._wake()  # the timer stays for the next exchange; its check sees none under way
 
     # -- flow control -------------------------------------------------------------------
 
@@ -389,9 +388,20 @@ class BackendConnection(asyncio.Protocol):
     # -- the read timeout ----------------------------------------------------------------
 
     def _arm_timer(self) -> None:
-        self._cancel_timer()
-        if self.read_timeout is not None:
-            self._timer = self._loop.call_at(self._last_read + self.read_timeout, self._check)
+        """Have the check run by the current deadline. A timer already due no later is
+        kept (its check reschedules itself), so a kept-alive connection does not make a
+        timer per exchange."""
+        timeout = self.read_timeout
+        if timeout is None:
+            self._cancel_timer()
+            return
+        due = self._last_read + timeout
+        timer = self._timer
+        if timer is not None:
+            if timer.when() <= due:
+                return
+            timer.cancel()
+        self._timer = self._loop.call_at(due, self._check)
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:

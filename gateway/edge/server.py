@@ -88,14 +88,11 @@ class _Refuse(Exception):
         self.status = status
 
 
-def _phrase(status: int) -> str:
-    try:
-        return HTTPStatus(status).phrase
-    except ValueError:
-        return "Unknown"
-
-
 _PHRASES: Final = {s.value: s.phrase for s in HTTPStatus}
+
+
+def _phrase(status: int) -> str:
+    return _PHRASES.get(status, "Unknown")
 
 
 class _Date:
@@ -292,15 +289,7 @@ class Request:
                 self._framing = 2
         if not any(name.lower() == "date" for name, _ in headers):
             lines += ("Date: ", _date.now(), "\r\n")
-        if closing:
-            self.keep_alive = False
-            lines.append("Connection: close\r\n\r\n")
-        elif self.version < HTTP_11:
-            lines.append("Connection: keep-alive\r\n\r\n")
-        else:
-            lines.append("\r\n")
-        head = "".join(lines).encode("utf-8", "surrogateescape")
-        self.started = True
+        head = _finish_head(lines, self, closing)
         if bodyless:
             self._ended = True
             conn.write_raw(head)
@@ -363,6 +352,20 @@ class Request:
         """Reset the connection: a relayed body that broke off must end visibly broken."""
         self._ended = True
         self._conn.abort()
+
+
+def _finish_head(lines: list[str], request: Request, closing: bool) -> bytes:
+    """End a response head with the Connection the exchange decided, as bytes; the request
+    counts as answered from here (a failure later can only drop the connection)."""
+    if closing:
+        request.keep_alive = False
+        lines.append("Connection: close\r\n\r\n")
+    elif request.version < HTTP_11:
+        lines.append("Connection: keep-alive\r\n\r\n")
+    else:
+        lines.append("\r\n")
+    request.started = True
+    return "".join(lines).encode("utf-8", "surrogateescape")
 
 
 class _Connection(asyncio.Protocol):
@@ -626,21 +629,13 @@ class _Connection(asyncio.Protocol):
         body = reply.body
         closing = reply.close or self.must_close(request)
         parts = [
-            f"HTTP/1.1 {status} {_PHRASES.get(status) or _phrase(status)}\r\n"
+            f"HTTP/1.1 {status} {_phrase(status)}\r\n"
             f"Content-Type: {reply.content_type}\r\nContent-Length: {len(body)}\r\n"
         ]
         for name, value in reply.headers:
             parts += (name, ": ", value, "\r\n")
         parts += ("Date: ", _date.now(), "\r\n")
-        if closing:
-            request.keep_alive = False
-            parts.append("Connection: close\r\n\r\n")
-        elif request.version < HTTP_11:
-            parts.append("Connection: keep-alive\r\n\r\n")
-        else:
-            parts.append("\r\n")
-        head = "".join(parts).encode("utf-8", "surrogateescape")
-        request.started = True
+        head = _finish_head(parts, request, closing)
         request._ended = True
         if request.method == "HEAD" or not body:
             self.write_raw(head)

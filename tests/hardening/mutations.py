@@ -64,8 +64,8 @@ MUTATIONS = [
     (
         "Connection-named headers forwarded",
         "gateway/edge/headers.py",
-        "drop = self._drop | _connection_tokens(items)\n",
-        "drop = self._drop\n",
+        "            drop = drop | _connection_tokens(items)\n        out = [item for item, name in zip(items, names, strict=True) if name not in drop]\n        if self._authorization",
+        "            pass\n        out = [item for item, name in zip(items, names, strict=True) if name not in drop]\n        if self._authorization",
         [
             "tests/hardening/test_bad_inputs.py::test_hop_by_hop_and_forwarding_headers_on_a_generation_request"
         ],
@@ -171,7 +171,8 @@ MUTATIONS = [
         "                upstream.close()",
         "                pass",
         [
-            "tests/hardening/test_faults.py::test_client_disconnect_closes_upstream_and_leaks_nothing"
+            "tests/hardening/test_faults.py::test_client_disconnect_closes_upstream_and_leaks_nothing",
+            "tests/hardening/test_faults.py::test_client_leaving_a_silent_stream_closes_the_upstream_at_once",
         ],
     ),
     (

@@ -162,6 +162,33 @@ async def test_client_disconnect_closes_upstream_and_leaks_nothing(
     assert all(b.inflight == 0 for b in gateway.pool.backends)
 
 
+async def test_client_leaving_a_silent_stream_closes_the_upstream_at_once(
+    stub: StubBackend, gateway: Gateway
+) -> None:
+    """Mid-stream, between two events far apart: the upstream is closed when the client
+    leaves, not when the next event finds no one to take it."""
+    hdrs = {**JSON, "X-Stub-Chunk-Delay-Ms": "5000", "X-Stub-Events": "3"}
+    loop = asyncio.get_running_loop()
+    stub.disconnect_event.clear()
+    async with aiohttp.ClientSession() as s:
+
+        async def call() -> None:
+            async with s.post(gw_url(gateway, "/generate"), data=STREAM, headers=hdrs) as r:
+                await r.content.readline()  # the first event; the next is 5 s away
+                await asyncio.sleep(60)
+
+        task = asyncio.create_task(call())
+        await wait_for(lambda: len(stub.generation_requests()) == 1)
+        await asyncio.sleep(0.5)
+        gone = loop.time()
+        task.cancel()  # the client goes away
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    await asyncio.wait_for(stub.disconnect_event.wait(), timeout=2.0)
+    assert loop.time() - gone < 1.0
+    await settle(lambda: gateway.proxy is not None and gateway.proxy.inflight == 0)
+
+
 # -- refused, reset, garbage, hung backends -------------------------------------------------------
 
 
