@@ -56,6 +56,8 @@ class BackendConnection(asyncio.Protocol):
         self._head_bytes = 0
         self._parser = httptools.HttpResponseParser(self)
         self._spent = False  # the parser stopped mid-message (a HEAD answer): make a new one
+        self._head_ended = False  # this exchange ended at its head (a HEAD answer)
+        self._in_trailer = False  # the last chunk's trailer fields are being read
         self.transport: asyncio.Transport | None = None
         self.on_unsolicited: Callable[[], None] | None = None
         self.unsolicited = False  # bytes or EOF arrived unasked: never reuse
@@ -92,6 +94,7 @@ class BackendConnection(asyncio.Protocol):
         if self._spent:
             self._parser = httptools.HttpResponseParser(self)
             self._spent = False
+        self._resume_reading()
         self.expecting = True
         self.final_head = False
         self.interim = 0
@@ -100,6 +103,8 @@ class BackendConnection(asyncio.Protocol):
         self.headers = []
         self.relayed = 0
         self._head_bytes = 0
+        self._head_ended = False
+        self._in_trailer = False
         self._out = []
         self._chunks = []
         self._buffered = 0
@@ -152,7 +157,7 @@ class BackendConnection(asyncio.Protocol):
             sink.flush_head()  # nothing yet: the client gets the head before the first event
         if not sink.writing_paused:
             self._resume_reading()
-        else:
+        elif not self._done:
             self._pause_for(sink)
         while not self._done and self._failure is None:
             await self._wait()
@@ -191,6 +196,7 @@ class BackendConnection(asyncio.Protocol):
             not self.unsolicited
             and not self.closed
             and not self._chunks
+            and not self._read_paused
             and transport is not None
             and not transport.is_closing()
         )
@@ -222,6 +228,7 @@ class BackendConnection(asyncio.Protocol):
             return
         self._last_read = self._loop.time()
         had_head = self.final_head
+        in_trailer = self._in_trailer
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -232,6 +239,15 @@ class BackendConnection(asyncio.Protocol):
                 # Parsing stopped on purpose; a whole response before it still goes out.
                 if self._failure is None:
                     self._flush()
+                    if self._head_ended and not _ends_at_head(data):
+                        # Bytes after a HEAD answer's head, unasked for.
+                        self._refuse()
+                return
+            if self._done:
+                # Bytes after a response that ended (llhttp refuses anything after one that
+                # closes the connection): the response goes out whole, the bytes are stray.
+                self._flush()
+                self._refuse()
                 return
             if not had_head:
                 # The head came in the same read as the fault: it is never handed over,
@@ -242,12 +258,14 @@ class BackendConnection(asyncio.Protocol):
             self.abort()
             return
         self._flush()
-        if self.expecting and not self.final_head:
-            # The parser holds an unfinished field without bound: the head as a whole is
-            # bounded (to the cap plus one read; the read a head ends in is not counted).
+        if self.expecting and (not self.final_head or (in_trailer and self._in_trailer)):
+            # The parser holds an unfinished field without bound: the head as a whole, and
+            # a chunked body's trailer section, are bounded (to the cap plus one read; the
+            # read a head ends in is not counted).
             self._head_bytes += len(data)
             if self._head_bytes > HEAD_FACTOR * self._max_field:
-                self.fail(UpstreamError("LineTooLong"))
+                kind = UpstreamBroken if self.final_head else UpstreamError
+                self.fail(kind("LineTooLong"))
                 self.abort()
 
     def _flush(self) -> None:
@@ -262,7 +280,9 @@ class BackendConnection(asyncio.Protocol):
         except ConnectionError as exc:
             self.fail(exc)
             return
-        if sink.writing_paused:
+        if sink.writing_paused and not self._done:
+            # Only while the body is under way: a finished exchange is never left paused,
+            # or the next request on this connection would wait for a resume that never comes.
             self._pause_for(sink)
 
     def _refuse(self) -> None:
@@ -340,13 +360,22 @@ class BackendConnection(asyncio.Protocol):
             # bytes as this one's body: the exchange ends at the head, and the next one
             # gets a fresh parser. (101: nothing after it is HTTP; the caller closes.)
             self._spent = True
+            self._head_ended = True
             self.should_close = self.should_close or code == 101
             self._message_done()
             self._wake()
             raise _Abandon
         self._wake()
 
+    def on_chunk_header(self) -> None:
+        # Fields until the chunk ends are trailers if it turns out to be the last (no body).
+        self._in_trailer = True
+
+    def on_chunk_complete(self) -> None:
+        self._in_trailer = False
+
     def on_body(self, body: bytes) -> None:
+        self._in_trailer = False
         sink = self._sink
         if sink is None:
             self._chunks.append(body)
@@ -429,6 +458,13 @@ class BackendConnection(asyncio.Protocol):
             self.abort()
         else:
             self._timer = self._loop.call_at(due, self._check)
+
+
+def _ends_at_head(data: bytes) -> bool:
+    """Whether a read that ended a bodyless head holds nothing after it. (llhttp does not
+    say where it stopped; a head ends at the only blank line of the read, and a stray
+    response after it would bring a blank line of its own, or no ending one.)"""
+    return data.endswith(b"\r\n\r\n") and data.count(b"\r\n\r\n") == 1
 
 
 __all__ = ["MAX_INTERIM_RESPONSES", "BackendConnection", "UpstreamFailure"]

@@ -52,8 +52,10 @@ MAX_HEADERS: Final = 128
 # The whole head may be this many times limits.max_header_bytes (128 KiB at the default):
 # the fields' own caps allow more, but the bytes of an unfinished head are held in memory.
 HEAD_FACTOR: Final = 8
-# Parsed requests that may wait behind the one being answered before reading pauses.
-_PIPELINE_DEPTH: Final = 4
+# Parsed requests that may wait behind the one being answered before reading pauses: one,
+# so a pipelined body waits in the kernel, not in memory (and a read already taken in is
+# parsed to its end, so a pipeline's memory is one read's worth of requests at most).
+_PIPELINE_DEPTH: Final = 1
 # Small pieces are joined into one bytes object (one write, one send); larger ones go out
 # with writelines, which sends them without a copy.
 _JOIN_MAX: Final = 16 << 10
@@ -536,7 +538,17 @@ class _Connection(asyncio.Protocol):
             if len(self._queue) >= _PIPELINE_DEPTH:
                 self._pause_reading()
 
+    def on_chunk_header(self) -> None:
+        # Until the chunk's data comes, what follows may be the last chunk's trailer fields,
+        # which the parser holds unfinished without bound: counted like a head.
+        self._in_head = True
+        self._head_size = 0
+
+    def on_chunk_complete(self) -> None:
+        self._in_head = False
+
     def on_body(self, body: bytes) -> None:
+        self._in_head = False
         request = self._parsing
         if request is not None:
             request._add(body)
@@ -580,8 +592,8 @@ class _Connection(asyncio.Protocol):
     def _expired(self) -> None:
         # Idle, or a head still incomplete: close without a word (nothing was asked).
         self._deadline = None
-        if self._active is None and self.transport is not None:
-            self.transport.close()
+        if self._active is None:
+            self._shut()
 
     # -- answering ---------------------------------------------------------------------------
 
@@ -606,12 +618,15 @@ class _Connection(asyncio.Protocol):
             reply = Reply(500, body, close=True)
         if self._gone:
             return
-        if reply is not None:
-            self._send(request, reply)
-        elif not request._ended:
-            self.abort()  # a relay that neither ended nor aborted: never a clean truncation
-            return
-        self._next(request)
+        try:
+            if reply is not None:
+                self._send(request, reply)
+            elif not request._ended:
+                self.abort()  # a relay that neither ended nor aborted: never a clean truncation
+                return
+            self._next(request)
+        except ConnectionError:
+            self.abort()  # closing under the reply (a shutdown's abort): nothing more to say
 
     def must_close(self, request: Request) -> bool:
         """Whether the connection closes after this request's reply."""
@@ -660,7 +675,9 @@ class _Connection(asyncio.Protocol):
             return
         if self._refusal is not None:
             self._write_refusal()
-        self._close(linger=self._stopped or not request._complete)
+        # The client may still be sending (a body the reply did not wait for, pipelined
+        # requests, bytes after a refusal): whenever the gateway ends the connection.
+        self._close(linger=True)
 
     def _close(self, *, linger: bool) -> None:
         """Close after the last reply. Where the client may still be sending (a body the
@@ -680,7 +697,18 @@ class _Connection(asyncio.Protocol):
             transport.resume_reading()
         transport.write_eof()
         self._cancel_deadline()
-        self._deadline = self._loop.call_later(_LINGER_S, transport.close)
+        self._deadline = self._loop.call_later(_LINGER_S, self._shut)
+
+    def _shut(self) -> None:
+        """Close now; a client that stopped reading would hold a plain close open forever
+        (it waits for the buffer to drain), so reset it instead."""
+        transport = self.transport
+        if transport is None:
+            return
+        if transport.get_write_buffer_size():
+            transport.abort()
+        else:
+            transport.close()
 
     def _refuse(self, status: int) -> None:
         """The parser refused the bytes: answer after the requests before, then close."""

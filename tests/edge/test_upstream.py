@@ -378,6 +378,17 @@ _HEAD = b"HTTP/1.1 200 OK\r\n"
 FAILURES: list[tuple[str, Script, type[UpstreamFailure]]] = [
     ("closed before the head", _close, UpstreamError),
     (
+        # The same for a chunked body's last trailer field, after the head was handed over.
+        "an unending trailer",
+        _send(
+            _HEAD + b"Transfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\nX-T: ",
+            *[b"a" * (1 << 16)] * 32,
+            then_close=False,
+            hold_s=2,
+        ),
+        UpstreamBroken,
+    ),
+    (
         # A header value that never ends, on a connection held open: refused at the head's
         # cap (8 x the field limit), not held until the head's timeout.
         "an unending head",
@@ -470,3 +481,41 @@ async def test_a_refused_connect_and_a_total_deadline_are_the_gateways_types(
     async with RawServer(_send(b"", then_close=False, hold_s=3)) as server:
         with pytest.raises(UpstreamTimeout):
             await get(upstream, server.url, total_s=0.3)
+
+
+async def test_bytes_after_a_closing_response_are_stray_and_the_body_is_whole(
+    upstream: Upstream,
+) -> None:
+    """llhttp refuses any byte after a `Connection: close` response: the response is still
+    whole and ends at once, and the bytes count as unsolicited."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nokEXTRA")
+        await writer.drain()
+        await asyncio.sleep(3)  # held open: the exchange must not wait for the close
+
+    server = RawServer(answer)
+    async with server:
+        status, body = await asyncio.wait_for(get(upstream, server.url), 2)
+    assert (status, body) == (200, b"ok")
+    assert upstream.unsolicited == 1
+    assert upstream.pool_state() == (0, 0)
+
+
+async def test_bytes_after_a_head_answer_retire_the_connection(upstream: Upstream) -> None:
+    """A HEAD answer ends at its head; whatever follows it in the same read answers
+    nothing, so the connection is closed rather than reused."""
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nHTTP/1.1 200 OK\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    server = RawServer(answer)
+    async with server:
+        status, body = await asyncio.wait_for(
+            get(upstream, server.url, method="HEAD", body=False), 2
+        )
+        assert (status, body) == (200, b"")
+        assert upstream.unsolicited == 1
+        assert upstream.pool_state() == (0, 0)

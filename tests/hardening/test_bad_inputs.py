@@ -534,3 +534,30 @@ async def test_http_1_0_with_transfer_encoding_is_refused_whole(
     assert resp.status == 400
     assert_no_internals(resp.body, addresses=[stub.url])
     assert proxied(stub) == []
+
+
+async def test_an_unending_trailer_is_cut_at_the_head_cap(
+    stub: StubBackend, gateway: Gateway
+) -> None:
+    """A chunked body's last trailer field is held by the parser until it ends, like a
+    header: bounded by the head's cap (431), and nothing is forwarded."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
+    writer.write(
+        POST
+        + b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\nX-T: "
+        % (
+            len(OK_BODY),
+            OK_BODY,
+        )
+    )
+    block = b"a" * (1 << 16)
+    with contextlib.suppress(ConnectionError):
+        for _ in range(512):  # up to 32 MiB offered
+            writer.write(block)
+            await writer.drain()
+            if reader.at_eof() or len(reader._buffer) > 0:  # a reply came
+                break
+    head = await asyncio.wait_for(reader.read(65536), 5)
+    writer.close()
+    assert head.startswith(b"HTTP/1.1 431"), head[:100]
+    assert proxied(stub) == []
