@@ -145,7 +145,8 @@ class Request:
     """One request as the parser read it, and the means to answer it on its connection.
 
     The proxy answers with a Reply (written by the connection), or relays a response
-    itself with `start`, `write`, `drain` and `end`, and returns None.
+    itself with `start`, `send` (its pieces as they come, with `writing_paused` and `on_resume`
+    for flow control) and `end`, and returns None.
     """
 
     __slots__ = (
@@ -328,14 +329,6 @@ class Request:
         if out:
             self._conn.write_pieces(*out)
 
-    def write(self, chunk: bytes) -> None:
-        """Relay a piece of the body; ConnectionError once the client is gone."""
-        self.send([chunk], last=False)
-
-    async def drain(self) -> None:
-        """Wait while the client's socket buffer is over its high-water mark."""
-        await self._conn.drain()
-
     @property
     def writing_paused(self) -> bool:
         """The client's socket buffer is over its high-water mark."""
@@ -346,9 +339,9 @@ class Request:
         resumes reading then)."""
         self._conn.resume_callback = callback
 
-    def end(self, chunk: bytes = b"") -> None:
-        """The last piece of the body, and the body's end."""
-        self.send([chunk] if chunk else [], last=True)
+    def end(self) -> None:
+        """The body's end (a no-op once it was sent with the last pieces)."""
+        self.send([], last=True)
 
     def abort(self) -> None:
         """Reset the connection: a relayed body that broke off must end visibly broken."""
@@ -397,7 +390,6 @@ class _Connection(asyncio.Protocol):
         self._read_paused = False
         self.write_paused = False
         self.resume_callback: Callable[[], None] | None = None
-        self._drain_waiter: asyncio.Future[None] | None = None
         self.closing = False  # close once the active request is answered (a drain)
         self._gone = False
 
@@ -431,9 +423,6 @@ class _Connection(asyncio.Protocol):
             task.cancel()  # the client left: the handler closes its upstream request
         self._queue.clear()
         self.resume_callback = None
-        waiter = self._drain_waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(ConnectionResetError("the client closed the connection"))
         parsing = self._parsing
         if parsing is not None:
             parsing._wake()
@@ -447,9 +436,6 @@ class _Connection(asyncio.Protocol):
         callback, self.resume_callback = self.resume_callback, None
         if callback is not None:
             callback()
-        waiter = self._drain_waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -764,17 +750,6 @@ class _Connection(asyncio.Protocol):
             transport.write(b"".join(pieces))
         else:
             transport.writelines(pieces)
-
-    async def drain(self) -> None:
-        if self._gone:
-            raise ConnectionResetError("the client closed the connection")
-        if not self.write_paused:
-            return
-        waiter = self._drain_waiter = self._loop.create_future()
-        try:
-            await waiter
-        finally:
-            self._drain_waiter = None
 
     def abort(self) -> None:
         if self.transport is not None:
