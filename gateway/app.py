@@ -178,12 +178,18 @@ class Gateway:
         return self._upstream
 
     @property
-    def client_connections(self) -> tuple[int, int, int]:
-        """(open, limit, refused so far) for the main listener."""
+    def client_connections(self) -> tuple[int, int, int, int]:
+        """(open, limit, refused so far, reset for leaving replies unread) for the main
+        listener."""
         server = self._http_server
         if server is None:
-            return 0, 0, 0
-        return server.open_connections, server.max_connections, server.connections_refused
+            return 0, 0, 0, 0
+        return (
+            server.open_connections,
+            server.max_connections,
+            server.connections_refused,
+            server.send_timeouts,
+        )
 
     @property
     def control_counts(self) -> dict[tuple[str, str], int]:
@@ -234,6 +240,7 @@ class Gateway:
             keepalive_s=cfg.timeouts.client_keepalive_s,
             max_header_bytes=cfg.limits.max_header_bytes,
             max_body=cfg.limits.max_body_bytes,
+            send_timeout_s=cfg.timeouts.client_send_s,
         )
         self._http_server = server
         await server.start(cfg.listen.host, cfg.listen.port, reuse_port=reuse_port, backlog=1024)
@@ -290,6 +297,7 @@ class Gateway:
             if self._http_server is not None:
                 self._http_server.max_connections = _max_connections(cfg)
                 self._http_server.max_body = settings.max_body
+                self._http_server.send_timeout_s = cfg.timeouts.client_send_s
             await self.fleet.reconfigure(cfg.backends, cfg.policy.sampling_mask.pinned_profile)
             self.cfg = cfg
             self.reloads += 1

@@ -199,6 +199,10 @@ class TimeoutsConfig(_Model):
     body_read_s: Seconds = 60.0
     # Idle keep-alive toward clients; also the only bound on slow request headers.
     client_keepalive_s: Seconds = 75.0
+    # The longest a client may leave a reply unread (the connection's send buffer over its
+    # high-water mark) before the connection is reset: a client that sends and never reads
+    # holds its memory and its generation upstream. None: no limit.
+    client_send_s: Seconds | None = 60.0
     # Idle pooled upstream connections are closed before SGLang's uvicorn (5 s) closes them.
     upstream_keepalive_s: Seconds = 4.0
     # Grace period for in-flight requests on shutdown.

@@ -83,10 +83,12 @@ class BackendConnection(asyncio.Protocol):
         self._waiter: asyncio.Future[None] | None = None
         self._sink: Request | None = None
         self._read_paused = False
-        # The read timeout: the wait for the head (ttfb), then the silence between pieces.
+        # The read timeout: the wait for the head (ttfb, counted from the request's write:
+        # a head sent a byte at a time gains nothing), then the silence between pieces.
         self.read_timeout: float | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._last_read = 0.0
+        self._sent_at = 0.0
 
     # -- the exchange ------------------------------------------------------------------------
 
@@ -112,7 +114,7 @@ class BackendConnection(asyncio.Protocol):
         self._failure = None
         self._sink = None
         self.read_timeout = read_timeout
-        self._last_read = self._loop.time()
+        self._last_read = self._sent_at = self._loop.time()
         self._arm_timer()
 
     async def head(self) -> None:
@@ -340,7 +342,9 @@ class BackendConnection(asyncio.Protocol):
             return
         self.final_head = True
         self.status = code
-        self.reason = self._reason.decode("latin-1")
+        # Decoded so that the head's encoding (utf-8, surrogateescape) gives back the bytes
+        # as sent, whatever they are (latin-1 here would turn \xe9 into \xc3\xa9).
+        self.reason = self._reason.decode("utf-8", "surrogateescape")
         headers = self.headers = [
             (name.decode("latin-1"), value.decode("utf-8", "surrogateescape"))
             for name, value in self._fields
@@ -348,12 +352,24 @@ class BackendConnection(asyncio.Protocol):
         self._fields = []
         self.should_close = not parser.should_keep_alive()
         framed = code in (204, 304) or code == 101
+        codings: list[str] | None = None
         for name, value in headers:
             lowered = name.lower()
-            if lowered == "content-length" or (
-                lowered == "transfer-encoding" and "chunked" in value.lower()
-            ):
+            if lowered == "content-length":
                 framed = True
+            elif lowered == "transfer-encoding":
+                codings = (codings or []) + value.lower().split(",")
+        if codings is not None:
+            # The gateway re-frames every body it relays: it can drop a chunked framing,
+            # not a coding under it (gzip, chunked) that the client would then never learn
+            # of; and a list that does not end in chunked (chunked, gzip) has no framing a
+            # relay can trust. Either is a 502 before any of it reaches the client.
+            if [c for c in map(str.strip, codings) if c] != ["chunked"]:
+                self.final_head = False
+                self.fail(UpstreamError("unsupported transfer coding"))
+                self.abort()
+                raise _Abandon
+            framed = True
         self._until_eof = not framed
         if self.head_only or code == 101:
             # llhttp cannot be told a response answers HEAD, so it would read the next
@@ -424,7 +440,7 @@ class BackendConnection(asyncio.Protocol):
         if timeout is None:
             self._cancel_timer()
             return
-        due = self._last_read + timeout
+        due = self._due(timeout)
         timer = self._timer
         if timer is not None:
             if timer.when() <= due:
@@ -442,6 +458,11 @@ class BackendConnection(asyncio.Protocol):
         if self.expecting:
             self._arm_timer()
 
+    def _due(self, timeout: float) -> float:
+        """When the exchange times out: the head within `timeout` of the request's write,
+        then each piece of the body within `timeout` of the last."""
+        return (self._last_read if self.final_head else self._sent_at) + timeout
+
     def _check(self) -> None:
         """Rescheduled from the last read rather than on every read: one timer per
         silence, not one per piece."""
@@ -452,7 +473,7 @@ class BackendConnection(asyncio.Protocol):
         if self._read_paused:
             # Paused for the client: the silence is the gateway's own, not the backend's.
             self._last_read = self._loop.time()
-        due = self._last_read + timeout
+        due = self._due(timeout)
         if self._loop.time() >= due:
             self.fail(UpstreamTimeout("ServerTimeoutError"))
             self.abort()

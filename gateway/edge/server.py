@@ -8,16 +8,21 @@ or writes a relayed response straight to the transport, and the connection enfor
 the edge guarantees:
 
 - llhttp in its strict mode refuses every framing ambiguity (CL+TE, duplicate or
-  malformed Content-Length, obs-fold, bad chunk sizes, bare CR or LF); a Transfer-Encoding
-  on HTTP/1.0 is refused as well (RFC 9112 s.6.1), and so is an upgrade request with a
-  body, whose bytes llhttp would stop parsing at the head;
+  malformed Content-Length, obs-fold, bad chunk sizes, bare CR or LF); on top of it, a
+  Transfer-Encoding on HTTP/1.0 is a 400 (RFC 9112 s.6.1), any coding but a lone `chunked`
+  (over all its lines) a 501, an HTTP/1.1 request without exactly one Host (or any with
+  two) a 400 (s.3.2), a request line with more than single spaces a 400 (s.3), and so is
+  an upgrade request with a body, whose bytes llhttp would stop parsing at the head;
 - the head is bounded: the request line and each header field by limits.max_header_bytes,
   at most MAX_HEADERS fields, and the whole head by HEAD_FACTOR times the limit, so a
   connection's memory is bounded before any field ends;
 - a head must arrive whole within the keep-alive timeout, which runs from the connection's
   start and from the end of each response (a client dripping bytes gains nothing);
 - requests are answered one at a time, in order; pipelined ones wait parsed, and reading
-  pauses once a few are waiting;
+  pauses once a few are waiting; the next one starts only once the replies before it went
+  below the socket's high-water mark, so a client that sends and never reads holds one
+  reply's worth of memory, and one that leaves a reply unread for timeouts.client_send_s is
+  reset;
 - a refused request is answered with a fixed JSON body naming no byte of it, after the
   replies to the requests before it, and the connection closes;
 - a client that goes away (an EOF counts: the half-closed client is indistinguishable from
@@ -29,7 +34,10 @@ the edge guarantees:
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
+import sys
+import termios
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -60,6 +68,9 @@ _PIPELINE_DEPTH: Final = 1
 # with writelines, which sends them without a copy.
 _JOIN_MAX: Final = 16 << 10
 
+# A request line is its target (at most limits.max_header_bytes) and this much more: the
+# method, two spaces, the version and CRLF.
+_LINE_SLACK: Final = 64
 # How long a closing connection keeps reading (and dropping) what the client still sends.
 _LINGER_S: Final = 2.0
 _CRLF: Final = b"\r\n"
@@ -280,6 +291,9 @@ class Request:
         conn = self._conn
         closing = conn.must_close(self)
         lines = [f"HTTP/1.1 {status} {reason or _phrase(status)}\r\n"]
+        if status == 204 or status < 200:
+            # RFC 9110 s.8.6: never a Content-Length on these, whatever the backend said.
+            headers = [h for h in headers if h[0].lower() != "content-length"]
         for name, value in headers:
             lines += (name, ": ", value, "\r\n")
         bodyless = self.method == "HEAD" or status in _NO_BODY_STATUS or status < 200
@@ -349,6 +363,24 @@ class Request:
         self._conn.abort()
 
 
+# Linux's count of bytes in a socket's send queue not yet acknowledged by the peer.
+_OUTQ: Final = getattr(termios, "TIOCOUTQ", None)
+
+
+def _unsent(transport: asyncio.Transport) -> int:
+    """Reply bytes the client has not taken: the transport's buffer and, where the system
+    says, the kernel's send queue (which can hold megabytes the client drains slowly)."""
+    size = transport.get_write_buffer_size()
+    sock = transport.get_extra_info("socket")
+    if _OUTQ is not None and sock is not None:
+        try:
+            queued = fcntl.ioctl(sock.fileno(), _OUTQ, b"\0\0\0\0")
+        except OSError:
+            return size
+        size += int.from_bytes(queued, sys.byteorder)
+    return size
+
+
 def _finish_head(lines: list[str], request: Request, closing: bool) -> bytes:
     """End a response head with the Connection the exchange decided, as bytes; the request
     counts as answered from here (a failure later can only drop the connection)."""
@@ -380,6 +412,19 @@ class _Connection(asyncio.Protocol):
         # it began in: the parser holds an unfinished field without bound.
         self._in_head = False
         self._head_size = 0
+        self._began = False  # a head (or a chunk's trailer section) began in this read
+        # Where messages lie in the read being parsed, so each request line can be read as
+        # sent (llhttp skips repeated spaces in it): the read, where the next message starts
+        # in it (-1: unknown), where the current body started in it, and the body bytes of
+        # this read so far. Past a chunked body the places are lost until a read starts at a
+        # message boundary, which every unpipelined request does.
+        self._data = b""
+        self._between = True  # no message under way: the next byte starts one
+        self._cursor = 0
+        self._body_from = -1
+        self._body_here = 0
+        self._line: bytes | None = None  # a request line still incomplete, to be checked
+        self._chunked = False  # the body being read is chunked
         # Requests parsed and waiting their turn; the one being answered.
         self._queue: deque[Request] = deque()
         self._active: Request | None = None
@@ -390,6 +435,8 @@ class _Connection(asyncio.Protocol):
         self._read_paused = False
         self.write_paused = False
         self.resume_callback: Callable[[], None] | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
+        self._unsent = 0  # the send buffer's size when the no-progress period began
         self.closing = False  # close once the active request is answered (a drain)
         self._gone = False
 
@@ -418,6 +465,9 @@ class _Connection(asyncio.Protocol):
         self._gone = True
         self._listener.connections.discard(self)
         self._cancel_deadline()
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
         task = self._task
         if task is not None and not task.done():
             task.cancel()  # the client left: the handler closes its upstream request
@@ -430,20 +480,60 @@ class _Connection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.write_paused = True
+        timeout = self._listener.send_timeout_s
+        if timeout is not None and self._send_timer is None and self.transport is not None:
+            self._unsent = _unsent(self.transport)
+            self._send_timer = self._loop.call_later(timeout, self._unread)
 
     def resume_writing(self) -> None:
         self.write_paused = False
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
         callback, self.resume_callback = self.resume_callback, None
         if callback is not None:
             callback()
+        if self._active is None and self._queue and self.transport is not None:
+            if self.closing:
+                self._close(linger=True)
+            else:
+                self._begin(self._queue.popleft())
+                self.resume_body()
+
+    def _unread(self) -> None:
+        """A reply has waited over the socket's high-water mark for timeouts.client_send_s.
+        If the client took none of it in that time it is not reading, so the connection
+        (and with it any generation it holds upstream) is reset; a slow reader that takes
+        some gets another period (like nginx's send_timeout: a bound on no progress, not
+        on a slow transfer)."""
+        self._send_timer = None
+        transport = self.transport
+        timeout = self._listener.send_timeout_s
+        if transport is None or not self.write_paused or timeout is None:
+            return
+        unsent = _unsent(transport)
+        if unsent < self._unsent:
+            self._unsent = unsent
+            self._send_timer = self._loop.call_later(timeout, self._unread)
+            return
+        self._listener.send_timeouts += 1
+        log.debug("reset a client that left its replies unread")
+        self.abort()
 
     # -- reading ----------------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
         if self._stopped:
             return
-        continued = self._in_head  # this read goes on with a head begun before it
+        self._began = False
+        self._data = data
+        self._cursor = 0 if self._between else -1
+        # A sized body begun in an earlier read goes on from this read's first byte.
+        self._body_from = 0 if self._parsing is not None and not self._chunked else -1
+        self._body_here = 0
         try:
+            if self._line is not None:
+                self._check_line(self._line + data[: self._listener.max_field + _LINE_SLACK])
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             # llhttp stops at an upgrade request's head; the gateway switches no protocol,
@@ -455,18 +545,46 @@ class _Connection(asyncio.Protocol):
                 return  # bytes after a request that closes the connection: never read
             self._refuse(cause.status if isinstance(cause, _Refuse) else 400)
             return
+        except _Refuse as exc:
+            self._refuse(exc.status)
+            return
+        finally:
+            self._data = b""
         if self._in_head:
-            # Counted from the read after the head's first: the read it began in may hold
-            # the body before it. So the bound is the cap plus one read.
-            self._head_size = self._head_size + len(data) if continued else 0
+            # Counted from the read after the one the head began in, which may hold the
+            # replies' worth of requests before it: so the bound is the cap plus one read.
+            self._head_size = 0 if self._began else self._head_size + len(data)
             if self._head_size > self._listener.head_max:
                 self._refuse(431)
 
+    def _check_line(self, line: bytes) -> None:
+        """A request line is method SP target SP version, single spaces (RFC 9112 s.3);
+        `line` is its start, as far as the reads so far go."""
+        end = line.find(b"\r\n")
+        if end < 0:
+            # Held until its end arrives; on_url bounds the target, so this stays small.
+            self._line = line[: self._listener.max_field + _LINE_SLACK]
+            return
+        self._line = None
+        if line[:end].count(b" ") != 2 or b"  " in line[:end]:
+            raise _Refuse(400)
+
     def on_message_begin(self) -> None:
         self._in_head = True
+        self._began = True
         self._head_size = 0
         self._url = b""
         self._fields = []
+        self._between = False
+        self._line = None
+        cursor = self._cursor
+        if cursor >= 0:
+            data = self._data
+            # RFC 9112 s.2.2: empty lines before a request line are skipped, as llhttp does.
+            while data[cursor : cursor + 2] == b"\r\n":
+                cursor += 2
+            self._cursor = cursor
+            self._check_line(data[cursor : cursor + self._listener.max_field + _LINE_SLACK])
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -484,6 +602,15 @@ class _Connection(asyncio.Protocol):
         self._in_head = False
         self._head_size = 0
         self._cancel_deadline()
+        if self._line is not None:
+            raise _Refuse(400)  # the head ended without the request line's own end
+        cursor = self._cursor
+        if cursor >= 0:
+            end = self._data.find(b"\r\n\r\n", cursor)
+            self._body_from = end + 4 if end >= 0 else -1
+        else:
+            self._body_from = -1
+        self._body_here = 0
         parser = self._parser
         version = _VERSIONS.get(parser.get_http_version())
         if version is None:
@@ -496,8 +623,21 @@ class _Connection(asyncio.Protocol):
         )
         self._fields = []
         chunked = "Transfer-Encoding" in headers
-        if chunked and version < HTTP_11:
-            raise _Refuse(400)  # RFC 9112 s.6.1: the framing of such a message is faulty
+        if chunked:
+            if version < HTTP_11:
+                raise _Refuse(400)  # RFC 9112 s.6.1: the framing of such a message is faulty
+            codings = ",".join(headers.getall("Transfer-Encoding")).lower().split(",")
+            # Empty list elements count for nothing (RFC 9110 s.5.6.1).
+            codings = [c for c in map(str.strip, codings) if c]
+            if codings != ["chunked"]:
+                # llhttp takes any list that ends in chunked; a coding the gateway would
+                # have to undo (or a second chunked) is one it does not implement (s.6.1).
+                raise _Refuse(501)
+            self._body_from = -1  # where a chunked body ends is not followed
+        self._chunked = chunked
+        hosts = len(headers.getall("Host", ()))
+        if hosts > 1 or (hosts == 0 and version >= HTTP_11):
+            raise _Refuse(400)  # RFC 9112 s.3.2
         length_text = headers.get("Content-Length")
         length = int(length_text) if length_text is not None else None
         keep_alive = parser.should_keep_alive()
@@ -517,9 +657,10 @@ class _Connection(asyncio.Protocol):
             limit=self._listener.max_body,
         )
         self._parsing = request
-        if self._active is None:
+        if self._active is None and not self.write_paused:
             self._begin(request)
         else:
+            # Behind the one being answered, or behind replies the client has not read yet.
             self._queue.append(request)
             if len(self._queue) >= _PIPELINE_DEPTH:
                 self._pause_reading()
@@ -528,6 +669,7 @@ class _Connection(asyncio.Protocol):
         # Until the chunk's data comes, what follows may be the last chunk's trailer fields,
         # which the parser holds unfinished without bound: counted like a head.
         self._in_head = True
+        self._began = True
         self._head_size = 0
 
     def on_chunk_complete(self) -> None:
@@ -535,6 +677,7 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         self._in_head = False
+        self._body_here += len(body)
         request = self._parsing
         if request is not None:
             request._add(body)
@@ -542,6 +685,9 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         request = self._parsing
         self._parsing = None
+        self._between = True
+        start = self._body_from
+        self._cursor = start + self._body_here if start >= 0 else -1
         if request is not None:
             request._finish_body()
             if not request.keep_alive:
@@ -653,8 +799,11 @@ class _Connection(asyncio.Protocol):
         if transport is None:
             return
         if self._queue and request.keep_alive and not self.closing:
-            self._begin(self._queue.popleft())
-            self.resume_body()
+            if not self.write_paused:
+                self._begin(self._queue.popleft())
+                self.resume_body()
+            # else resume_writing begins it: a client that sends and never reads would
+            # otherwise have every reply pile up in the transport's buffer.
             return
         if request.keep_alive and not self.must_close(request):
             self._arm_deadline()
@@ -782,8 +931,10 @@ class Listener:
         keepalive_s: float,
         max_header_bytes: int,
         max_body: int,
+        send_timeout_s: float | None = None,
     ) -> None:
         self.handler = handler
+        self.send_timeout_s = send_timeout_s
         self.max_connections = max_connections
         self.keepalive_s = keepalive_s
         self.max_field = max_header_bytes
@@ -791,6 +942,7 @@ class Listener:
         self.max_body = max_body
         self.connections: set[_Connection] = set()
         self.connections_refused = 0
+        self.send_timeouts = 0  # connections reset for leaving their replies unread
         self.refused: dict[int, int] = {}  # requests the parser refused, by status
         self.full_reply = _full_reply()
         self.loop = asyncio.get_running_loop()

@@ -465,7 +465,7 @@ class _GatewayView(Protocol):
     def refused_requests(self) -> dict[int, int]: ...
 
     @property
-    def client_connections(self) -> tuple[int, int, int]: ...
+    def client_connections(self) -> tuple[int, int, int, int]: ...
 
     @property
     def control_counts(self) -> dict[tuple[str, str], int]: ...
@@ -532,7 +532,7 @@ class FleetCollector(Collector):
         for (route, result), count in sorted(counts.items()):
             control.add_metric([route, result], float(count))
         yield control
-        open_conns, limit, conns_refused = self._gw.client_connections
+        open_conns, limit, conns_refused, send_timeouts = self._gw.client_connections
         yield GaugeMetricFamily(
             p + "client_connections", "Client connections open.", value=float(open_conns)
         )
@@ -545,6 +545,12 @@ class FleetCollector(Collector):
             p + "client_connections_refused",
             "Client connections answered 503 and closed at once: the limit was reached.",
             value=float(conns_refused),
+        )
+        yield CounterMetricFamily(
+            p + "client_send_timeouts",
+            "Client connections reset because a reply stayed unread for "
+            "timeouts.client_send_s (a client that sends and does not read).",
+            value=float(send_timeouts),
         )
         writer = logs.access_writer()
         yield CounterMetricFamily(

@@ -531,6 +531,107 @@ MUTATIONS = [
             "tests/hardening/test_faults.py::test_a_client_that_pauses_reading_gets_the_whole_response"
         ],
     ),
+    # -- Hardening III (issue 26): the request path's protocols ------------------------------
+    (
+        "the next pipelined request starts while replies sit unread",
+        "gateway/edge/server.py",
+        (
+            "        if self._active is None and not self.write_paused:",
+            "            if not self.write_paused:\n                self._begin(self._queue.popleft())",
+        ),
+        (
+            "        if self._active is None:",
+            "            if True:\n                self._begin(self._queue.popleft())",
+        ),
+        [
+            "tests/hardening/test_protocol_review.py::test_a_client_that_pipelines_and_never_reads_holds_bounded_memory"
+        ],
+    ),
+    (
+        "no deadline for a client that leaves its reply unread",
+        "gateway/edge/server.py",
+        "        if timeout is not None and self._send_timer is None and self.transport is not None:",
+        "        if False:",
+        [
+            "tests/hardening/test_protocol_review.py::test_a_client_that_leaves_a_reply_unread_is_reset_and_the_upstream_closed"
+        ],
+    ),
+    (
+        "the send deadline resets a slow reader that makes progress",
+        "gateway/edge/server.py",
+        "        if unsent < self._unsent:",
+        "        if False:",
+        [
+            "tests/hardening/test_protocol_review.py::test_a_slow_reader_that_keeps_reading_is_not_reset"
+        ],
+    ),
+    (
+        "ttfb restarted by every byte of the head",
+        "gateway/edge/relay.py",
+        "        return (self._last_read if self.final_head else self._sent_at) + timeout",
+        "        return self._last_read + timeout",
+        [
+            "tests/hardening/test_protocol_review.py::test_ttfb_is_a_deadline_for_the_head_not_a_silence"
+        ],
+    ),
+    (
+        "the read a head begins in counts toward its cap",
+        "gateway/edge/server.py",
+        "            self._head_size = 0 if self._began else self._head_size + len(data)",
+        "            self._head_size = self._head_size + len(data)",
+        ["tests/hardening/test_protocol_review.py::test_a_long_valid_pipeline_gets_every_answer"],
+    ),
+    (
+        "a transfer coding under chunked accepted on a request",
+        "gateway/edge/server.py",
+        '            if codings != ["chunked"]:',
+        "            if False:",
+        ["tests/hardening/test_protocol_review.py::test_framing_rfc_9112_refuses_is_refused"],
+    ),
+    (
+        "no Host, or two, accepted",
+        "gateway/edge/server.py",
+        "        if hosts > 1 or (hosts == 0 and version >= HTTP_11):",
+        "        if False:",
+        ["tests/hardening/test_protocol_review.py::test_framing_rfc_9112_refuses_is_refused"],
+    ),
+    (
+        "repeated spaces in the request line accepted",
+        "gateway/edge/server.py",
+        '        if line[:end].count(b" ") != 2 or b"  " in line[:end]:',
+        "        if False:",
+        ["tests/hardening/test_protocol_review.py::test_framing_rfc_9112_refuses_is_refused"],
+    ),
+    (
+        "the request line of a request behind a body goes unchecked",
+        "gateway/edge/server.py",
+        "        self._cursor = start + self._body_here if start >= 0 else -1",
+        "        self._cursor = -1",
+        [
+            "tests/hardening/test_protocol_review.py::test_pipelined_requests_after_bodies_still_get_the_request_line_check"
+        ],
+    ),
+    (
+        "a backend's transfer coding under chunked relayed",
+        "gateway/edge/relay.py",
+        '            if [c for c in map(str.strip, codings) if c] != ["chunked"]:',
+        "            if False:",
+        ["tests/hardening/test_protocol_review.py::test_a_transfer_coding_under_chunked_is_a_502"],
+    ),
+    (
+        "a 204 keeps the backend's Content-Length",
+        "gateway/edge/server.py",
+        "        if status == 204 or status < 200:",
+        "        if False:",
+        ["tests/hardening/test_protocol_review.py::test_a_204_never_carries_a_content_length"],
+    ),
+    (
+        "the reason phrase re-encoded",
+        "gateway/edge/relay.py",
+        '        self.reason = self._reason.decode("utf-8", "surrogateescape")',
+        '        self.reason = self._reason.decode("latin-1")',
+        ["tests/hardening/test_protocol_review.py::test_the_reason_phrase_passes_as_sent"],
+    ),
 ]
 
 
