@@ -28,11 +28,13 @@ from gateway.contract.policy import (
 )
 from gateway.contract.replies import Outcome
 from gateway.contract.routes import (
+    ADDRESSABLE_ROUTES,
     ADDRESSED_PATH,
     Family,
     Kind,
     Route,
     RouteTable,
+    addressed,
     canonical_path,
 )
 from gateway.contract.skim import SKIM_MIN_BODY
@@ -251,7 +253,7 @@ class Proxy:
         if route is None:
             return self._reply(exchange, 404, replies.NOT_FOUND, Outcome.NOT_FOUND)
         if request.method not in route.methods:
-            return self._wrong_method(exchange, route)
+            return self._wrong_method(exchange, route.methods)
 
         headers = request.headers
         encodings = headers.getall("Content-Encoding", None)
@@ -368,9 +370,9 @@ class Proxy:
         resp.headers.append(("WWW-Authenticate", "Bearer"))
         return resp
 
-    def _wrong_method(self, exchange: Exchange, route: Route) -> Reply:
+    def _wrong_method(self, exchange: Exchange, methods: frozenset[str]) -> Reply:
         resp = self._reply(exchange, 405, replies.METHOD_NOT_ALLOWED, Outcome.METHOD_NOT_ALLOWED)
-        resp.headers.append(("Allow", ", ".join(sorted(route.methods))))
+        resp.headers.append(("Allow", ", ".join(sorted(methods))))
         return resp
 
     # -- fleet control -----------------------------------------------------------------
@@ -397,8 +399,14 @@ class Proxy:
                 "control.trusted_cidrs.",
             )
             return self._reject(exchange, Family.PLAIN, denied, close=request.body_exists)
-        if request.method not in route.methods:
-            return self._wrong_method(exchange, route)
+        engine_path: tuple[str, str] | None = None  # an addressed call's worker and path
+        if route.path == ADDRESSED_PATH:
+            found = self._addressable(request, raw_path, route, exchange)
+            if isinstance(found, Reply):
+                return found
+            engine_path = found
+        elif request.method not in route.methods:
+            return self._wrong_method(exchange, route.methods)
         body = await self._body_or_refusal(request, settings, exchange, Family.PLAIN)
         if isinstance(body, Reply):
             return body
@@ -424,15 +432,18 @@ class Proxy:
                 exchange.reason = "invalid" if status == 400 else "not_found"
             return self._reply(exchange, status, answer, outcome)
         target = raw_path
-        if route.path == ADDRESSED_PATH:
-            worker, _, rest = raw_path[len("/workers/") :].partition("/")
+        if engine_path is not None:
+            worker, path = engine_path
             backend = self._pool.find(worker)
             if backend is None:
                 fanout.count(route.path, "failed")
                 missing = replies.render(Family.PLAIN, 404, f"No worker {worker!r}.")
                 return self._reply(exchange, 404, missing, Outcome.NOT_FOUND)
             urls = [backend.url]
-            target = "/" + rest
+            # The path as checked, never as sent: the engine must match exactly what was
+            # allowed, whatever spelling reached the gateway.
+            query = raw_path.partition("?")[2]
+            target = path + "?" + query if query else path
         else:
             urls = [b.url for b in self._pool.backends]
             if route.path == "/abort_request":
@@ -480,6 +491,31 @@ class Proxy:
             reply_body(results),
             Outcome.OK if ok else Outcome.CONTROL_FAILED,
         )
+
+    def _addressable(
+        self, request: Request, raw_path: str, route: Route, exchange: Exchange
+    ) -> tuple[str, str] | Reply:
+        """The worker and engine path an addressed call names, or the refusal of a path
+        outside the fixed list (never forwarded, whatever it would reach)."""
+        found = addressed(canonical_path(raw_path.partition("?")[0]))
+        assert found is not None  # the route table matched /workers/{id}/...
+        methods = ADDRESSABLE_ROUTES.get(found[1])
+        if methods is None:
+            self.fanout.count(route.path, "refused")
+            refused = Rejection(
+                404,
+                "control",
+                "not_addressable",
+                "Only an engine's own control calls can be sent to one worker, as "
+                "/workers/{id}/<path>; generation and every other route go to their own path, "
+                "where they are inspected. Allowed paths: " + ", ".join(ADDRESSABLE_ROUTES) + ".",
+            )
+            return self._reject(exchange, Family.PLAIN, refused, close=request.body_exists)
+        if request.method not in methods:
+            resp = self._wrong_method(exchange, route.methods)
+            resp.headers[-1] = ("Allow", ", ".join(sorted(methods)))
+            return resp
+        return found
 
     async def _run_control(
         self, urls: list[str], call: ControlCall, *, log_as: tuple[str, str, str | None]

@@ -522,7 +522,8 @@ class FleetCollector(Collector):
             p + "control_requests",
             "Fleet control calls (sent to every backend) by route and result: ok (every "
             "backend answered 2xx), failed (some did not: 502), forbidden (no operator "
-            "credential: 403).",
+            "credential: 403), refused (an addressed call to a path outside the per-engine "
+            "list: 404, not forwarded).",
             labels=["route", "result"],
         )
         counts = dict.fromkeys(
