@@ -49,6 +49,7 @@ from gateway.edge.control import (
     FanOut,
     apply_state,
     log_action,
+    relayed,
     reply_body,
     updated_weights,
 )
@@ -386,18 +387,24 @@ class Proxy:
         exchange: Exchange,
     ) -> Reply | None:
         fanout = self.fanout
-        caller = settings.control_access.caller(
-            request.headers.get("Authorization"), request.remote
+        access = settings.control_access
+        via_proxy = relayed(request.headers)
+        caller = access.caller(
+            request.headers.get("Authorization"), request.remote, relayed=via_proxy
         )
         if caller is None:
             fanout.count(route.path, "forbidden")
-            denied = Rejection(
-                403,
-                "control",
-                "forbidden",
+            message = (
                 "Fleet control routes need an operator key (control.keys) or a caller from "
-                "control.trusted_cidrs.",
+                "control.trusted_cidrs."
             )
+            if via_proxy and access.trusted_address(request.remote):
+                message = (
+                    "This request was relayed by a proxy (it carries forwarding headers), so "
+                    "the address it comes from vouches for no caller: fleet control through a "
+                    "proxy needs an operator key (control.keys)."
+                )
+            denied = Rejection(403, "control", "forbidden", message)
             return self._reject(exchange, Family.PLAIN, denied, close=request.body_exists)
         engine_path: tuple[str, str] | None = None  # an addressed call's worker and path
         if route.path == ADDRESSED_PATH:

@@ -10,6 +10,7 @@ recording stubs, and none of them may ever see it.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import orjson
 import pytest
@@ -18,7 +19,7 @@ from gateway.app import Gateway
 from gateway.contract.routes import ADDRESSABLE_ROUTES, CONTROL_ROUTES, PER_ENGINE_ROUTES
 from gateway.edge.control import worker_id
 from gateway.testing.stub import StubBackend
-from tests.conftest import GatewayFactory, proxied
+from tests.conftest import GatewayFactory, cli_gateway, proxied
 from tests.hardening.rawnet import RawResponse, parse_responses, raw_exchange
 
 # Refused on /generate with 400: a mask over the whole vocabulary.
@@ -144,3 +145,51 @@ def test_the_list_is_the_per_engine_and_control_routes_and_holds_no_generation()
     assert "/update_weights_from_distributed" in ADDRESSABLE_ROUTES
     for path in ADDRESSABLE_ROUTES:
         assert "generate" not in path and "completions" not in path
+
+
+async def test_a_relayed_caller_is_not_trusted_by_its_proxys_address(
+    stubs: list[StubBackend], make_gateway: GatewayFactory
+) -> None:
+    """A proxy on the gateway's host (a TLS terminator) connects from loopback for every
+    client it relays: the forwarding headers it adds show the caller is not the peer."""
+    gw = await make_gateway(stubs[0].url, control={"keys": ["op-1"]})
+    wid = worker_id(stubs[0].url)
+    relayed = [
+        "X-Forwarded-For: 203.0.113.9\r\n",
+        "Forwarded: for=203.0.113.9;proto=https\r\n",
+        "X-Real-IP: 203.0.113.9\r\n",
+        "X-Forwarded-For: 127.0.0.1\r\n",  # still a relayed request: who sent it is unknown
+    ]
+    for headers in relayed:
+        for target in ("/pause_generation", f"/workers/{wid}/init_weights_update_group"):
+            raw = await raw_exchange(gw.port, request("POST", target, b"{}", headers))
+            (reply,) = parse_responses(raw)
+            assert reply.status == 403, (headers, target)
+            assert "relayed" in orjson.loads(reply.body)["detail"]
+    assert proxied(stubs[0]) == []
+    # The operator's key is trusted however the request came.
+    key = "Authorization: Bearer op-1\r\n"
+    raw = await raw_exchange(gw.port, request("POST", "/start_profile", b"{}", relayed[0] + key))
+    assert parse_responses(raw)[0].status == 200
+    # Straight from loopback, as before.
+    assert (await send(gw, "POST", "/stop_profile", b"{}")).status == 200
+
+
+@pytest.mark.parametrize(
+    ("proxies", "warned"),
+    [("[127.0.0.1/32]", True), ("['::1/128']", True), ("[10.0.0.0/8]", False), ("[]", False)],
+)
+async def test_a_warning_at_start_when_loopback_is_both_a_proxy_and_trusted(
+    stub: StubBackend, tmp_path: Path, proxies: str, warned: bool
+) -> None:
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(
+        f"backends: {{static: ['{stub.url}']}}\nforwarding: {{trusted_proxies: {proxies}}}\n"
+    )
+    async with cli_gateway(tmp_path, "--config", str(cfg)) as (_, _, err_path):
+        pass
+    err = err_path.read_text()
+    lines = [ln for ln in err.splitlines() if "control.trusted_cidrs" in ln]
+    assert len(lines) == (1 if warned else 0), err
+    if warned:
+        assert "control.keys" in lines[0]
