@@ -519,9 +519,7 @@ class Proxy:
             )
             return self._reject(exchange, Family.PLAIN, refused, close=request.body_exists)
         if request.method not in methods:
-            resp = self._wrong_method(exchange, route.methods)
-            resp.headers[-1] = ("Allow", ", ".join(sorted(methods)))
-            return resp
+            return self._wrong_method(exchange, methods)
         return found
 
     async def _run_control(
