@@ -72,6 +72,7 @@ from gateway.edge.upstream import (
 from gateway.fleet.capability import Admission
 from gateway.fleet.membership import Fleet
 from gateway.fleet.pool import Backend, Fit
+from gateway.fleet.shared import SharingFailed
 from gateway.ops.observe import USER_AGENT_MAX, Exchange, Observer
 from gateway.ops.redact import describe
 from gateway.runtime import Unstoppable
@@ -421,7 +422,17 @@ class Proxy:
             status, answer, change = registry_api.handle(
                 self._fleet, request.method, route.path, raw_path, body
             )
-            await self._fleet.share(change)
+            try:
+                await self._fleet.share(change)
+            except SharingFailed as exc:
+                fanout.count(route.path, "unshared")
+                exchange.detail = "unshared"
+                reply = {
+                    "detail": _unshared_detail("The registry change was made", exc),
+                    "shared": False,
+                    "result": orjson.loads(answer),
+                }
+                return self._reply(exchange, 503, orjson.dumps(reply), Outcome.CONTROL_FAILED)
             result = "ok" if status < 400 else "failed"
             fanout.count(route.path, result)
             if request.method != "GET":
@@ -477,12 +488,23 @@ class Proxy:
         )
         # Run to its end even if the caller goes away: the engines act on the call either
         # way, so what the gateway records of them (and shares) must follow.
-        results = await self._control_runs.run(
+        results, unshared = await self._control_runs.run(
             self._run_control(urls, call, log_as=(route.path, caller, request.remote))
         )
         ok = all(r.ok for r in results)
-        fanout.count(route.path, "ok" if ok else "failed")
         exchange.attempts = len(results)
+        if unshared is not None:
+            # Never the engines' plain answer: that would read as the whole gateway knowing.
+            fanout.count(route.path, "unshared")
+            exchange.detail = "unshared"
+            reply = orjson.loads(reply_body(results))
+            reply.update(
+                success=False,
+                shared=False,
+                detail=_unshared_detail("The engines listed acted on the call", unshared),
+            )
+            return self._reply(exchange, 503, orjson.dumps(reply), Outcome.CONTROL_FAILED)
+        fanout.count(route.path, "ok" if ok else "failed")
         if route.path == ADDRESSED_PATH:
             (only,) = results
             exchange.backend = only.url
@@ -524,17 +546,21 @@ class Proxy:
 
     async def _run_control(
         self, urls: list[str], call: ControlCall, *, log_as: tuple[str, str, str | None]
-    ) -> list[BackendResult]:
-        """Fan one control call out, then record and share what it did to the engines."""
+    ) -> tuple[list[BackendResult], SharingFailed | None]:
+        """Fan one control call out, then record and share what it did to the engines; the
+        results, and why the change could not be shared with the other workers, if not."""
         results = await self.fanout.call(urls, call)
         log_action(*log_as, results)
-        # Shared before the read-back below, which may take a while.
-        await self._fleet.share(apply_state(self._pool, call.target, call.body or b"", results))
-        if updated := updated_weights(call.target, results):
-            # The engine's own word on what it now serves, over what the call asked for.
-            read = await self._fleet.confirm_versions(updated, min(call.timeout_s, _VERSION_READ_S))
-            await self._fleet.share(read)
-        return results
+        try:
+            # Shared before the read-back below, which may take a while.
+            await self._fleet.share(apply_state(self._pool, call.target, call.body or b"", results))
+            if updated := updated_weights(call.target, results):
+                # The engine's own word on what it now serves, over what the call asked for.
+                timeout_s = min(call.timeout_s, _VERSION_READ_S)
+                await self._fleet.share(await self._fleet.confirm_versions(updated, timeout_s))
+        except SharingFailed as exc:
+            return results, exc
+        return results, None
 
     def _abort_owner(self, body: bytes) -> str | None:
         """The backend serving the one rid an abort names, if this gateway routed it there.
@@ -782,6 +808,15 @@ class Proxy:
                 # Closing (not releasing) the connection is what tells SGLang the client
                 # is gone, so it aborts the generation instead of finishing it for nobody.
                 upstream.close()
+
+
+def _unshared_detail(done: str, exc: SharingFailed) -> str:
+    return (
+        f"{done}, and this gateway process routes by it, but it could not be shared with "
+        f"the gateway's other worker processes ({exc.reason}): they route as before. The "
+        "next change that is shared replaces it in this process too. Repeat the call once "
+        "the state can be written."
+    )
 
 
 def _describe_client(request: Request, path: str, exchange: Exchange) -> None:
