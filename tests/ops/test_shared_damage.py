@@ -48,10 +48,17 @@ class Workers2:
         while line := await self.proc.stderr.readline():
             self.lines.append(line.decode(errors="replace"))
 
-    async def call(self, method: str, path: str, **kw: Any) -> tuple[int, Any]:
-        async with aiohttp.ClientSession() as s, s.request(method, self.url + path, **kw) as r:
-            data = await r.read()
-            return r.status, orjson.loads(data) if data else None
+    async def call(
+        self, method: str, path: str, session: aiohttp.ClientSession | None = None, **kw: Any
+    ) -> tuple[int, Any]:
+        """One call on a new connection, or on `session`'s (which stays with one worker)."""
+        async with contextlib.AsyncExitStack() as stack:
+            if session is None:
+                session = await stack.enter_async_context(aiohttp.ClientSession())
+            async with session.request(method, self.url + path, **kw) as r:
+                data = await r.read()
+                return r.status, orjson.loads(data) if data else None
+        raise AssertionError("unreachable")
 
     async def views(self) -> list[tuple[tuple[str, bool], ...]]:
         """What the workers say of the fleet, one view per fresh connection."""
@@ -164,7 +171,7 @@ def _truncate(path: Path) -> None:
     path.write_bytes(data[: len(data) // 2])
 
 
-def _write(text: bytes) -> Callable[[Path], None]:
+def _write(text: bytes) -> Callable[[Path], object]:
     return lambda path: path.write_bytes(text)
 
 
@@ -175,7 +182,7 @@ def _paused_as_text(path: Path) -> None:
     path.write_text(json.dumps(doc))
 
 
-DAMAGE: dict[str, Callable[[Path], None]] = {
+DAMAGE: dict[str, Callable[[Path], object]] = {
     "truncated": _truncate,
     "emptied": _write(b""),
     "a list": _write(b"[]"),
@@ -270,7 +277,7 @@ async def test_a_change_that_cannot_be_shared_fails_says_so_and_the_workers_conv
     stubs: list[StubBackend], tmp_path: Path, kind: str
 ) -> None:
     engines = tuple(sorted((stubs[0].url, stubs[1].url)))
-    with contextlib.ExitStack() as stack:
+    async with contextlib.AsyncExitStack() as stack:
         tmpdir = stack.enter_context(_small_tmpfs(tmp_path)) if "ENOSPC" in kind else None
         async with workers2(stubs, tmp_path, tmpdir) as gw:
             assert set(await gw.views()) == {tuple((u, False) for u in engines)}
@@ -286,7 +293,12 @@ async def test_a_change_that_cannot_be_shared_fails_says_so_and_the_workers_conv
                     (u, 200) for u in engines
                 ]
             assert stubs[0].pause_mode == "abort" and stubs[1].pause_mode == "abort"
-            status, reply = await gw.call("POST", "/workers", json={"url": stubs[2].url})
+            # One connection, so one worker, for the registration and its retry below.
+            same = await stack.enter_async_context(
+                aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
+            )
+            register = {"url": stubs[2].url}
+            status, reply = await gw.call("POST", "/workers", same, json=register)
             assert status == 503 and reply["shared"] is False
             assert reply["result"]["url"] == stubs[2].url
             # A failed write leaves the last document whole, and nothing beside it.
@@ -313,9 +325,10 @@ async def test_a_change_that_cannot_be_shared_fails_says_so_and_the_workers_conv
                 await gw.metric("sglang_gateway_shared_state_errors_total", operation="write") == 11
             )
             restore()
-            # The next change that lands (the registration again) is what every worker
-            # holds: the pause that was never shared gives way in the worker that made it.
-            status, _ = await gw.call("POST", "/workers", json={"url": stubs[2].url})
+            # The next change that lands (the registration again, through the worker that
+            # holds it alone) is what every worker holds: the pause that was never shared
+            # gives way in the worker that made it.
+            status, _ = await gw.call("POST", "/workers", same, json=register)
             assert status == 200
             everyone = tuple(sorted((u, False) for u in (*engines, stubs[2].url)))
             assert set(await gw.views()) == {everyone}
