@@ -197,6 +197,11 @@ class Gateway:
         return self.proxy.fanout.counts if self.proxy is not None else {}
 
     @property
+    def shared_state(self) -> SharedState | None:
+        """The state shared with the other --workers, if there are any."""
+        return self.fleet.shared
+
+    @property
     def refused_requests(self) -> dict[int, int]:
         """Requests the HTTP parser refused (before the proxy saw them), by status."""
         return self._http_server.refused if self._http_server is not None else {}

@@ -124,6 +124,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     tune_malloc()
     from gateway.app import serve  # noqa: PLC0415 - keeps --check-config light
+    from gateway.edge.control import trust_warning  # noqa: PLC0415
+
+    control = cfg.control
+    if args.worker_index is None and (
+        warning := trust_warning(
+            control.trusted_cidrs,
+            [*control.keys, *([control.keys_file] if control.keys_file else [])],
+            cfg.forwarding.trusted_proxies,
+        )
+    ):
+        log.warning("%s", warning)  # once, by the process the operator started
 
     if cfg.listen.workers > 1:
         from gateway.ops.supervisor import Supervisor  # noqa: PLC0415

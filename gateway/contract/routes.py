@@ -123,6 +123,24 @@ PER_ENGINE_ROUTES: Mapping[str, frozenset[str]] = {
 }
 
 
+# What an addressed call may name after the worker id: the per-engine calls, and the
+# engine-wide operations, each for one engine (profile it, flush its cache, pause, abort or
+# update it alone, read its load). The route is uninspected and trusted as an operator's, so
+# this is a fixed list: a generation route here would carry a mask past the inspection its
+# own path applies. /update_weights_from_distributed stays addressable whether or not it is
+# also fanned out (issue 21).
+ADDRESSABLE_ROUTES: Mapping[str, frozenset[str]] = {**CONTROL_ROUTES, **PER_ENGINE_ROUTES}
+
+
+def addressed(path: str) -> tuple[str, str] | None:
+    """(worker id, engine path) of a canonical `/workers/{id}/...` path, the engine path
+    exactly as the backend's router will match it; None for any other path."""
+    if not path.startswith(_WORKER_PREFIX):
+        return None
+    worker, slash, rest = path[len(_WORKER_PREFIX) :].partition("/")
+    return (worker, "/" + rest) if slash else None
+
+
 def canonical_path(raw_path: str) -> str:
     """The path SGLang's router would match for a raw request target (query excluded).
 

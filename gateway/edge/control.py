@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -53,18 +53,70 @@ class ControlAccess:
             tuple(ipaddress.ip_network(c, strict=False) for c in trusted_cidrs),
         )
 
-    def caller(self, authorization: str | None, peer: str | None) -> str | None:
-        """How the caller is allowed ("key" or "trusted"), or None when it is not."""
+    def caller(
+        self, authorization: str | None, peer: str | None, *, relayed: bool = False
+    ) -> str | None:
+        """How the caller is allowed ("key" or "trusted"), or None when it is not.
+
+        An address vouches only for a request its owner sent: one that a proxy relayed
+        (`relayed`: it carries forwarding headers) comes from the proxy's address whoever
+        the client is, and a TLS terminator on the gateway's host would make every client a
+        loopback caller. Such a request needs a key."""
         if self.keys is not None and authorization and self.keys.check(authorization) is None:
             return "key"
-        if peer is not None and self.trusted:
-            try:
-                addr = ipaddress.ip_address(peer)
-            except ValueError:
-                return None
-            if any(addr in net for net in self.trusted):
-                return "trusted"
+        if not relayed and self.trusted_address(peer):
+            return "trusted"
         return None
+
+    def trusted_address(self, peer: str | None) -> bool:
+        if peer is None or not self.trusted:
+            return False
+        try:
+            addr = ipaddress.ip_address(peer)
+        except ValueError:
+            return False
+        return any(addr in net for net in self.trusted)
+
+
+# Headers a proxy adds to what it relays (RFC 7239, the de facto X- forms, RFC 9110 Via): a
+# caller that sends one is not the peer the gateway sees.
+RELAY_HEADERS: Final = (
+    "Forwarded",
+    "X-Forwarded-For",
+    "X-Forwarded-Proto",
+    "X-Forwarded-Host",
+    "X-Real-IP",
+    "Via",
+)
+
+
+def relayed(headers: Mapping[str, str]) -> bool:
+    """`headers` match names case-insensitively (the request's multidict)."""
+    return any(name in headers for name in RELAY_HEADERS)
+
+
+_LOOPBACK: Final = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
+
+
+def _has_loopback(cidrs: Iterable[str]) -> bool:
+    nets = [ipaddress.ip_network(c, strict=False) for c in cidrs]
+    return any(n.version == lo.version and n.overlaps(lo) for n in nets for lo in _LOOPBACK)
+
+
+def trust_warning(
+    trusted_cidrs: Iterable[str], keys: Sequence[object], trusted_proxies: Iterable[str]
+) -> str | None:
+    """A line for the start-up log when the configuration suggests a proxy on this host
+    forwards clients while loopback callers are trusted without a key."""
+    if not (_has_loopback(trusted_cidrs) and _has_loopback(trusted_proxies)):
+        return None
+    return (
+        "control.trusted_cidrs trusts loopback callers and forwarding.trusted_proxies names a "
+        "proxy on loopback: every client that proxy relays connects from loopback. Requests "
+        "carrying forwarding headers are refused address trust, but a proxy that adds none "
+        "makes its clients operators: set control.keys (or control.keys_file) and remove "
+        "loopback from control.trusted_cidrs." + ("" if keys else " No operator key is configured.")
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,11 +28,13 @@ from gateway.contract.policy import (
 )
 from gateway.contract.replies import Outcome
 from gateway.contract.routes import (
+    ADDRESSABLE_ROUTES,
     ADDRESSED_PATH,
     Family,
     Kind,
     Route,
     RouteTable,
+    addressed,
     canonical_path,
 )
 from gateway.contract.skim import SKIM_MIN_BODY
@@ -47,6 +49,7 @@ from gateway.edge.control import (
     FanOut,
     apply_state,
     log_action,
+    relayed,
     reply_body,
     updated_weights,
 )
@@ -69,6 +72,7 @@ from gateway.edge.upstream import (
 from gateway.fleet.capability import Admission
 from gateway.fleet.membership import Fleet
 from gateway.fleet.pool import Backend, Fit
+from gateway.fleet.shared import SharingFailed
 from gateway.ops.observe import USER_AGENT_MAX, Exchange, Observer
 from gateway.ops.redact import describe
 from gateway.runtime import Unstoppable
@@ -251,7 +255,7 @@ class Proxy:
         if route is None:
             return self._reply(exchange, 404, replies.NOT_FOUND, Outcome.NOT_FOUND)
         if request.method not in route.methods:
-            return self._wrong_method(exchange, route)
+            return self._wrong_method(exchange, route.methods)
 
         headers = request.headers
         encodings = headers.getall("Content-Encoding", None)
@@ -368,9 +372,9 @@ class Proxy:
         resp.headers.append(("WWW-Authenticate", "Bearer"))
         return resp
 
-    def _wrong_method(self, exchange: Exchange, route: Route) -> Reply:
+    def _wrong_method(self, exchange: Exchange, methods: frozenset[str]) -> Reply:
         resp = self._reply(exchange, 405, replies.METHOD_NOT_ALLOWED, Outcome.METHOD_NOT_ALLOWED)
-        resp.headers.append(("Allow", ", ".join(sorted(route.methods))))
+        resp.headers.append(("Allow", ", ".join(sorted(methods))))
         return resp
 
     # -- fleet control -----------------------------------------------------------------
@@ -384,21 +388,33 @@ class Proxy:
         exchange: Exchange,
     ) -> Reply | None:
         fanout = self.fanout
-        caller = settings.control_access.caller(
-            request.headers.get("Authorization"), request.remote
+        access = settings.control_access
+        via_proxy = relayed(request.headers)
+        caller = access.caller(
+            request.headers.get("Authorization"), request.remote, relayed=via_proxy
         )
         if caller is None:
             fanout.count(route.path, "forbidden")
-            denied = Rejection(
-                403,
-                "control",
-                "forbidden",
+            message = (
                 "Fleet control routes need an operator key (control.keys) or a caller from "
-                "control.trusted_cidrs.",
+                "control.trusted_cidrs."
             )
+            if via_proxy and access.trusted_address(request.remote):
+                message = (
+                    "This request was relayed by a proxy (it carries forwarding headers), so "
+                    "the address it comes from vouches for no caller: fleet control through a "
+                    "proxy needs an operator key (control.keys)."
+                )
+            denied = Rejection(403, "control", "forbidden", message)
             return self._reject(exchange, Family.PLAIN, denied, close=request.body_exists)
-        if request.method not in route.methods:
-            return self._wrong_method(exchange, route)
+        engine_path: tuple[str, str] | None = None  # an addressed call's worker and path
+        if route.path == ADDRESSED_PATH:
+            found = self._addressable(request, raw_path, route, exchange)
+            if isinstance(found, Reply):
+                return found
+            engine_path = found
+        elif request.method not in route.methods:
+            return self._wrong_method(exchange, route.methods)
         body = await self._body_or_refusal(request, settings, exchange, Family.PLAIN)
         if isinstance(body, Reply):
             return body
@@ -406,7 +422,17 @@ class Proxy:
             status, answer, change = registry_api.handle(
                 self._fleet, request.method, route.path, raw_path, body
             )
-            await self._fleet.share(change)
+            try:
+                await self._fleet.share(change)
+            except SharingFailed as exc:
+                fanout.count(route.path, "unshared")
+                exchange.detail = "unshared"
+                reply = {
+                    "detail": _unshared_detail("The registry change was made", exc),
+                    "shared": False,
+                    "result": orjson.loads(answer),
+                }
+                return self._reply(exchange, 503, orjson.dumps(reply), Outcome.CONTROL_FAILED)
             result = "ok" if status < 400 else "failed"
             fanout.count(route.path, result)
             if request.method != "GET":
@@ -424,15 +450,18 @@ class Proxy:
                 exchange.reason = "invalid" if status == 400 else "not_found"
             return self._reply(exchange, status, answer, outcome)
         target = raw_path
-        if route.path == ADDRESSED_PATH:
-            worker, _, rest = raw_path[len("/workers/") :].partition("/")
+        if engine_path is not None:
+            worker, path = engine_path
             backend = self._pool.find(worker)
             if backend is None:
                 fanout.count(route.path, "failed")
                 missing = replies.render(Family.PLAIN, 404, f"No worker {worker!r}.")
                 return self._reply(exchange, 404, missing, Outcome.NOT_FOUND)
             urls = [backend.url]
-            target = "/" + rest
+            # The path as checked, never as sent: the engine must match exactly what was
+            # allowed, whatever spelling reached the gateway.
+            query = raw_path.partition("?")[2]
+            target = path + "?" + query if query else path
         else:
             urls = [b.url for b in self._pool.backends]
             if route.path == "/abort_request":
@@ -459,12 +488,23 @@ class Proxy:
         )
         # Run to its end even if the caller goes away: the engines act on the call either
         # way, so what the gateway records of them (and shares) must follow.
-        results = await self._control_runs.run(
+        results, unshared = await self._control_runs.run(
             self._run_control(urls, call, log_as=(route.path, caller, request.remote))
         )
         ok = all(r.ok for r in results)
-        fanout.count(route.path, "ok" if ok else "failed")
         exchange.attempts = len(results)
+        if unshared is not None:
+            # Never the engines' plain answer: that would read as the whole gateway knowing.
+            fanout.count(route.path, "unshared")
+            exchange.detail = "unshared"
+            reply = orjson.loads(reply_body(results))
+            reply.update(
+                success=False,
+                shared=False,
+                detail=_unshared_detail("The engines listed acted on the call", unshared),
+            )
+            return self._reply(exchange, 503, orjson.dumps(reply), Outcome.CONTROL_FAILED)
+        fanout.count(route.path, "ok" if ok else "failed")
         if route.path == ADDRESSED_PATH:
             (only,) = results
             exchange.backend = only.url
@@ -481,19 +521,46 @@ class Proxy:
             Outcome.OK if ok else Outcome.CONTROL_FAILED,
         )
 
+    def _addressable(
+        self, request: Request, raw_path: str, route: Route, exchange: Exchange
+    ) -> tuple[str, str] | Reply:
+        """The worker and engine path an addressed call names, or the refusal of a path
+        outside the fixed list (never forwarded, whatever it would reach)."""
+        found = addressed(canonical_path(raw_path.partition("?")[0]))
+        assert found is not None  # the route table matched /workers/{id}/...
+        methods = ADDRESSABLE_ROUTES.get(found[1])
+        if methods is None:
+            self.fanout.count(route.path, "refused")
+            refused = Rejection(
+                404,
+                "control",
+                "not_addressable",
+                "Only an engine's own control calls can be sent to one worker, as "
+                "/workers/{id}/<path>; generation and every other route go to their own path, "
+                "where they are inspected. Allowed paths: " + ", ".join(ADDRESSABLE_ROUTES) + ".",
+            )
+            return self._reject(exchange, Family.PLAIN, refused, close=request.body_exists)
+        if request.method not in methods:
+            return self._wrong_method(exchange, methods)
+        return found
+
     async def _run_control(
         self, urls: list[str], call: ControlCall, *, log_as: tuple[str, str, str | None]
-    ) -> list[BackendResult]:
-        """Fan one control call out, then record and share what it did to the engines."""
+    ) -> tuple[list[BackendResult], SharingFailed | None]:
+        """Fan one control call out, then record and share what it did to the engines; the
+        results, and why the change could not be shared with the other workers, if not."""
         results = await self.fanout.call(urls, call)
         log_action(*log_as, results)
-        # Shared before the read-back below, which may take a while.
-        await self._fleet.share(apply_state(self._pool, call.target, call.body or b"", results))
-        if updated := updated_weights(call.target, results):
-            # The engine's own word on what it now serves, over what the call asked for.
-            read = await self._fleet.confirm_versions(updated, min(call.timeout_s, _VERSION_READ_S))
-            await self._fleet.share(read)
-        return results
+        try:
+            # Shared before the read-back below, which may take a while.
+            await self._fleet.share(apply_state(self._pool, call.target, call.body or b"", results))
+            if updated := updated_weights(call.target, results):
+                # The engine's own word on what it now serves, over what the call asked for.
+                timeout_s = min(call.timeout_s, _VERSION_READ_S)
+                await self._fleet.share(await self._fleet.confirm_versions(updated, timeout_s))
+        except SharingFailed as exc:
+            return results, exc
+        return results, None
 
     def _abort_owner(self, body: bytes) -> str | None:
         """The backend serving the one rid an abort names, if this gateway routed it there.
@@ -741,6 +808,15 @@ class Proxy:
                 # Closing (not releasing) the connection is what tells SGLang the client
                 # is gone, so it aborts the generation instead of finishing it for nobody.
                 upstream.close()
+
+
+def _unshared_detail(done: str, exc: SharingFailed) -> str:
+    return (
+        f"{done}, and this gateway process routes by it, but it could not be shared with "
+        f"the gateway's other worker processes ({exc.reason}): they route as before. The "
+        "next change that is shared replaces it in this process too. Repeat the call once "
+        "the state can be written."
+    )
 
 
 def _describe_client(request: Request, path: str, exchange: Exchange) -> None:

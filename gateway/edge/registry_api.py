@@ -112,12 +112,15 @@ def handle(fleet: Fleet, method: str, path: str, raw_path: str, body: bytes) -> 
         return _error(409, _NOT_REGISTRY.format(fleet.cfg.discovery))
     extras = {k: v for k, v in fields.items() if k != "url"}
     try:
-        url, new = registry.add(fields.get("url"), extras)
+        url, _ = registry.add(fields.get("url"), extras)
     except RegistryError as exc:
         return _error(400, str(exc))
     backend = fleet.pool.find(url)
     assert backend is not None  # published to the pool at once
-    change = Change(added={url: registry.extras(url)}) if new else _UNCHANGED
+    # Shared even when this worker knew it already: it may be the one worker that does (a
+    # registration whose sharing failed), and a retry must reach the others. Merging a
+    # member the document has changes nothing there.
+    change = Change(added={url: registry.extras(url)})
     return _json(200, _worker(fleet, backend), change)
 
 

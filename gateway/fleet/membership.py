@@ -171,27 +171,30 @@ class Fleet:
         self._apply_states(doc)
 
     def _apply_states(self, doc: Document, backends: Sequence[Backend] | None = None) -> None:
+        # Paused and asleep as the document says, absent meaning neither: what only this
+        # worker holds (a change it could not share) gives way, so every worker that took
+        # the same document routes alike. A weight version is also read from each engine
+        # by each worker, so only one the document names replaces it.
         states = doc.get("backends") or {}
         woke = False
         for b in self.pool.backends if backends is None else backends:
-            st = states.get(b.url)
-            if not st:
-                continue
+            st = states.get(b.url) or {}
             held = b.paused or b.asleep
-            b.paused = bool(st.get("paused", b.paused))
-            b.asleep = bool(st.get("asleep", b.asleep))
+            b.paused = st.get("paused", False)
+            b.asleep = st.get("asleep", False)
             if isinstance(version := st.get("weight_version"), str):
                 b.weight_version = version
             woke = woke or (held and not (b.paused or b.asleep))
-        if isinstance(latest := doc.get("latest_version"), str):
-            self.pool.latest_version = latest
+        if backends is None:
+            self.pool.latest_version = doc.get("latest_version")
         if woke:
             self.pool.wake_waiters()
 
     async def share(self, change: Change) -> None:
         """Hand a change this worker made to its siblings (nothing to do when alone). The
         sharing runs to its end even if the caller is cancelled (its client went away):
-        a change applied here and never shared would leave the workers apart for good."""
+        a change applied here and never shared would leave the workers apart. Raises
+        SharingFailed when it could not be shared: the caller must say so."""
         if self.shared is None or not change:
             return
         await self._sharing.run(self.shared.record(change))

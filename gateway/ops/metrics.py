@@ -432,6 +432,14 @@ class Metrics(Collector):
 
 
 _CONTROL_RESULTS: Final = ("ok", "failed", "forbidden")
+# The state --workers share: what can go wrong with it, each series there from the start.
+_SHARED_ERRORS: Final = (
+    ("read", "damaged"),
+    ("read", "unreadable"),
+    ("write", "damaged"),
+    ("write", "unwritable"),
+    ("ack", "unwritable"),
+)
 
 
 class _DiscoveryStats(Protocol):
@@ -443,6 +451,11 @@ class _DiscoveryStats(Protocol):
 class _FleetView(Protocol):
     @property
     def discovery(self) -> _DiscoveryStats | None: ...
+
+
+class _SharedStats(Protocol):
+    errors: dict[tuple[str, str], int]
+    repairs: int
 
 
 class _UpstreamStats(Protocol):
@@ -469,6 +482,9 @@ class _GatewayView(Protocol):
 
     @property
     def control_counts(self) -> dict[tuple[str, str], int]: ...
+
+    @property
+    def shared_state(self) -> _SharedStats | None: ...
 
 
 class FleetCollector(Collector):
@@ -522,7 +538,9 @@ class FleetCollector(Collector):
             p + "control_requests",
             "Fleet control calls (sent to every backend) by route and result: ok (every "
             "backend answered 2xx), failed (some did not: 502), forbidden (no operator "
-            "credential: 403).",
+            "credential: 403), refused (an addressed call to a path outside the per-engine "
+            "list: 404, not forwarded), unshared (applied, but the change could not be shared "
+            "with the other --workers: 503).",
             labels=["route", "result"],
         )
         counts = dict.fromkeys(
@@ -559,6 +577,7 @@ class FleetCollector(Collector):
             "closed reader); the requests themselves were served.",
             value=float(writer.dropped_lines if writer is not None else 0),
         )
+        yield from _shared_families(self._gw.shared_state)
         up = self._gw.upstream_stats
         yield CounterMetricFamily(
             p + "upstream_unsolicited",
@@ -572,3 +591,25 @@ class FleetCollector(Collector):
             "ENOBUFS): the gateway's fault, never counted against a backend.",
             value=float(up.local_errors if up is not None else 0),
         )
+
+
+def _shared_families(shared: _SharedStats | None) -> Iterator[Metric]:
+    """The state file --workers share; nothing for a gateway that is one process."""
+    if shared is None:
+        return
+    errors = CounterMetricFamily(
+        PREFIX + "shared_state_errors",
+        "Problems with the fleet state the --workers share, by operation and reason: a read "
+        "that found the file damaged (not adopted; rebuilt) or unreadable, a change that "
+        "could not be written (its call answered 503), an acknowledgement not written.",
+        labels=["operation", "reason"],
+    )
+    counts = dict.fromkeys(_SHARED_ERRORS, 0) | shared.errors
+    for (operation, reason), count in sorted(counts.items()):
+        errors.add_metric([operation, reason], float(count))
+    yield errors
+    yield CounterMetricFamily(
+        PREFIX + "shared_state_repairs",
+        "Damaged fleet state files this worker rebuilt from its own view.",
+        value=float(shared.repairs),
+    )

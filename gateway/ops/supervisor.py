@@ -158,7 +158,15 @@ class Supervisor:
             turned_on = cfg.backends.discovery == "registry"
             if turned_on and self.cfg.backends.discovery != "registry":
                 # Registry discovery turned on: every worker starts from the new seed.
-                await asyncio.to_thread(reseed, self.fleet_state, list(cfg.backends.static))
+                try:
+                    await asyncio.to_thread(
+                        reseed, self.fleet_state, list(cfg.backends.static), len(self.workers)
+                    )
+                except OSError as exc:
+                    log.error(
+                        "the workers' registry could not be reseeded (%s): they keep its members",
+                        type(exc).__name__,
+                    )
             self.cfg = cfg
             self.reloads += 1
             self._signal_all(signal.SIGHUP)

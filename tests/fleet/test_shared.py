@@ -61,3 +61,53 @@ async def test_a_worker_adopts_what_another_changed(tmp_path: Path) -> None:
     stale = {"generation": 1, "members": {A: {}}, "backends": {A: {"paused": False}}}
     await shared.take(stale)
     assert by_url[A].paused and set(fleet.registry.urls) == {A, B}
+
+
+async def _worker(path: Path, index: int, workers: int) -> tuple[Fleet, SharedState]:
+    fleet = Fleet(BackendsConfig(discovery="registry", static=[A]))
+    assert fleet.registry is not None
+    await fleet.registry.run(fleet.pool.update)
+    shared = SharedState(path, index, workers)
+    shared.attach(fleet.adopt)
+    await shared.take(shared.load())
+    return fleet, shared
+
+
+async def test_a_siblings_document_never_undoes_a_change_being_recorded(tmp_path: Path) -> None:
+    """A worker adopts documents whole; between applying a change and adopting the document
+    that holds it, a sibling's newer document (without it) must not revert it."""
+    path = tmp_path / "fleet.json"
+    write_document(path, new_document([A]))
+    fleet, shared = await _worker(path, 0, 1)
+    sibling = SharedState(path, 0, 1)
+    await sibling.record(Change(added={B: {}}))
+    (backend,) = fleet.pool.backends
+    backend.paused = True  # the engine paused; what the control call applies here first
+    recording = shared.record(Change(states={A: {"paused": True}}))
+    await shared.take(shared.load())  # the sibling's document, polled meanwhile
+    assert backend.paused
+    await recording
+    by_url = {b.url: b for b in fleet.pool.backends}
+    assert set(by_url) == {A, B} and by_url[A].paused
+
+
+async def test_a_document_restored_from_an_older_copy_still_reaches_every_worker(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "fleet.json"
+    write_document(path, new_document([A]))
+    first, second = await _worker(path, 0, 2), await _worker(path, 1, 2)
+    one, two = first[0], second[0]
+    await one.join(first[1])
+    await two.join(second[1])
+    try:
+        for paused in (True, False, True):
+            await one.share(Change(states={A: {"paused": paused}}))
+        assert second[1].generation == 3
+        write_document(path, new_document([A]))  # generation 0, behind both workers
+        await asyncio.sleep(0.2)
+        await one.share(Change(states={A: {"weight_version": "v9"}}))
+        assert [b.weight_version for b in two.pool.backends] == ["v9"]
+    finally:
+        await one.stop()
+        await two.stop()

@@ -341,8 +341,8 @@ MUTATIONS = [
     (
         "control routes open to anyone",
         "gateway/edge/control.py",
-        '            return "key"\n        if peer is not None and self.trusted:',
-        '            return "key"\n        return "anyone"\n        if peer is not None and self.trusted:',
+        '            return "key"\n        if not relayed and self.trusted_address(peer):',
+        '            return "key"\n        return "anyone"\n        if not relayed and self.trusted_address(peer):',
         ["tests/edge/test_control.py::test_only_operators_control_the_fleet"],
     ),
     (
@@ -631,6 +631,124 @@ MUTATIONS = [
         '        self.reason = self._reason.decode("utf-8", "surrogateescape")',
         '        self.reason = self._reason.decode("latin-1")',
         ["tests/hardening/test_protocol_review.py::test_the_reason_phrase_passes_as_sent"],
+    ),
+    # -- Hardening III (issue 26) -------------------------------------------------------------
+    (
+        "an addressed call may name any path",
+        "gateway/edge/proxy.py",
+        "        methods = ADDRESSABLE_ROUTES.get(found[1])\n",
+        '        methods = ADDRESSABLE_ROUTES.get(found[1], frozenset({"GET", "POST", "PUT"}))\n',
+        [
+            "tests/edge/test_addressed.py::test_no_spelling_of_a_generation_route_reaches_an_engine_through_an_address"
+        ],
+    ),
+    (
+        "an addressed call forwarded as spelled, not as checked",
+        "gateway/edge/proxy.py",
+        '            target = path + "?" + query if query else path\n',
+        '            target = raw_path[len("/workers/") + len(worker) :]\n',
+        [
+            "tests/edge/test_addressed.py::test_the_per_engine_paths_still_reach_the_one_engine_named"
+        ],
+    ),
+    (
+        "a relayed request trusted for its proxy's address",
+        "gateway/edge/control.py",
+        "        if not relayed and self.trusted_address(peer):",
+        "        if self.trusted_address(peer):",
+        [
+            "tests/edge/test_addressed.py::test_a_relayed_caller_is_not_trusted_by_its_proxys_address"
+        ],
+    ),
+    (
+        "no warning when a loopback proxy meets loopback trust",
+        "gateway/cli.py",
+        "    if args.worker_index is None and (",
+        "    if False and (",
+        [
+            "tests/edge/test_addressed.py::test_a_warning_at_start_when_loopback_is_both_a_proxy_and_trusted"
+        ],
+    ),
+    (
+        "a damaged shared document read as it is",
+        "gateway/fleet/shared.py",
+        "    return validate(doc)\n",
+        "    return doc\n",
+        [
+            "tests/ops/test_shared_damage.py::test_a_damaged_state_file_is_logged_once_rebuilt_and_shared_again"
+        ],
+    ),
+    (
+        "shared-state problems logged every time",
+        "gateway/fleet/shared.py",
+        "        if last is not None and now - last < self.every_s:",
+        "        if False:",
+        [
+            "tests/ops/test_shared_damage.py::test_a_change_that_cannot_be_shared_fails_says_so_and_the_workers_converge"
+        ],
+    ),
+    (
+        "a damaged document never rebuilt by the workers that read it",
+        "gateway/fleet/shared.py",
+        "                if doc is None and self._damaged is not None and self._doc is not None:",
+        "                if False:",
+        [
+            "tests/ops/test_shared_damage.py::test_a_damaged_state_file_is_logged_once_rebuilt_and_shared_again"
+        ],
+    ),
+    (
+        "a change that could not be shared answered as shared",
+        "gateway/fleet/membership.py",
+        "        await self._sharing.run(self.shared.record(change))",
+        "        with contextlib.suppress(Exception):\n            await self._sharing.run(self.shared.record(change))",
+        [
+            "tests/ops/test_shared_damage.py::test_a_change_that_cannot_be_shared_fails_says_so_and_the_workers_converge"
+        ],
+    ),
+    (
+        "a failed write leaves its temporary file",
+        "gateway/fleet/shared.py",
+        "        with contextlib.suppress(OSError):\n            os.unlink(tmp)\n",
+        "        pass\n",
+        [
+            "tests/ops/test_shared_damage.py::test_a_change_that_cannot_be_shared_fails_says_so_and_the_workers_converge"
+        ],
+    ),
+    (
+        "workers keep states the document does not name (an unshared change lingers)",
+        "gateway/fleet/membership.py",
+        '            b.paused = st.get("paused", False)\n            b.asleep = st.get("asleep", False)\n',
+        '            b.paused = st.get("paused", b.paused)\n            b.asleep = st.get("asleep", b.asleep)\n',
+        [
+            "tests/ops/test_shared_damage.py::test_a_change_that_cannot_be_shared_fails_says_so_and_the_workers_converge"
+        ],
+    ),
+    (
+        "a sibling's document undoes a change being recorded",
+        "gateway/fleet/shared.py",
+        "        if self.pending > (1 if mine else 0):",
+        "        if False:",
+        [
+            "tests/fleet/test_shared.py::test_a_siblings_document_never_undoes_a_change_being_recorded"
+        ],
+    ),
+    (
+        "generations counted from the file, not above what the workers adopted",
+        "gateway/fleet/shared.py",
+        '                doc["generation"] = max(int(doc["generation"]), self._highest() + 1)',
+        '                doc["generation"] = int(doc["generation"]) + (change is None)',
+        [
+            "tests/fleet/test_shared.py::test_a_document_restored_from_an_older_copy_still_reaches_every_worker"
+        ],
+    ),
+    (
+        "a registration retried through the worker that holds it is not shared again",
+        "gateway/edge/registry_api.py",
+        "    change = Change(added={url: registry.extras(url)})\n",
+        "    change = Change(added={url: registry.extras(url)}) if _ else _UNCHANGED\n",
+        [
+            "tests/ops/test_shared_damage.py::test_a_change_that_cannot_be_shared_fails_says_so_and_the_workers_converge"
+        ],
     ),
 ]
 
