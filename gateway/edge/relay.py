@@ -20,24 +20,39 @@ idle, and a second response in the same read as the first one's end.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import enum
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Final, cast
 
 import httptools
 
+from gateway.edge import http1
 from gateway.edge.failures import UpstreamBroken, UpstreamError, UpstreamFailure, UpstreamTimeout
 
 if TYPE_CHECKING:
     from gateway.edge.server import Request
 
-# Interim (1xx) responses accepted before the final one. RFC 9110 sets no limit, but every
-# real server sends at most a few (100 Continue, 103 Early Hints); each one costs a parse,
-# so a backend that streams them without end would stall the loop.
-MAX_INTERIM_RESPONSES: Final = 16
-# Header fields per response, as for requests (gateway/edge/server.py).
-MAX_HEADERS: Final = 128
-# The whole head may be this many times the field limit, as for requests.
-HEAD_FACTOR: Final = 8
+
+class Phase(enum.Enum):
+    """Where a connection's exchange stands. Every change goes through
+    BackendConnection._to, which holds it to TRANSITIONS."""
+
+    IDLE = "idle"  # no exchange yet: just connected
+    HEAD = "head"  # the request went out; the final response head is awaited
+    BODY = "body"  # the final head came; its body is being read
+    DONE = "done"  # the response ended: the connection may carry the next exchange
+    FAILED = "failed"  # the exchange failed: the connection is never reused
+
+
+TRANSITIONS: Final[Mapping[Phase, frozenset[Phase]]] = {
+    Phase.IDLE: frozenset({Phase.HEAD}),
+    # A head that ends the exchange (a HEAD answer, a 101) goes straight to DONE.
+    Phase.HEAD: frozenset({Phase.BODY, Phase.DONE, Phase.FAILED}),
+    Phase.BODY: frozenset({Phase.DONE, Phase.FAILED}),
+    Phase.DONE: frozenset({Phase.HEAD}),
+    Phase.FAILED: frozenset(),
+}
+_EXPECTING: Final = frozenset({Phase.HEAD, Phase.BODY})
 
 
 class _Abandon(Exception):
@@ -55,16 +70,19 @@ class BackendConnection(asyncio.Protocol):
         self._high_water = read_high_water
         self._head_bytes = 0
         self._parser = httptools.HttpResponseParser(self)
-        self._spent = False  # the parser stopped mid-message (a HEAD answer): make a new one
-        self._head_ended = False  # this exchange ended at its head (a HEAD answer)
+        # The parser stopped at a head that ended the exchange (a HEAD answer): the next
+        # exchange gets a new one, and bytes after that head in its read are unasked for.
+        self._spent = False
         self._in_trailer = False  # the last chunk's trailer fields are being read
         self.transport: asyncio.Transport | None = None
         self.on_unsolicited: Callable[[], None] | None = None
         self.unsolicited = False  # bytes or EOF arrived unasked: never reuse
         self.closed = False
         # The exchange under way.
-        self.expecting = False  # from the request's write until its response ended
-        self.final_head = False
+        self.phase = Phase.IDLE
+        # The head was never handed over: the exchange fails as a whole (a 502), not
+        # mid-body.
+        self._withheld = False
         self.interim = 0
         self.head_only = False  # a HEAD request: the response has no body, whatever it says
         self.should_close = False
@@ -78,7 +96,6 @@ class BackendConnection(asyncio.Protocol):
         self._chunks: list[bytes] = []  # body read before a relay (or a reader) took it
         self._out: list[bytes] = []  # body of the current read, for the relay's one write
         self._buffered = 0
-        self._done = False
         self._failure: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._sink: Request | None = None
@@ -92,25 +109,34 @@ class BackendConnection(asyncio.Protocol):
 
     # -- the exchange ------------------------------------------------------------------------
 
+    @property
+    def expecting(self) -> bool:
+        """From the request's write until its response ended (or failed)."""
+        return self.phase in _EXPECTING
+
+    def _to(self, phase: Phase) -> None:
+        if phase not in TRANSITIONS[self.phase]:
+            raise RuntimeError(f"exchange phase {self.phase.value} -> {phase.value}")
+        self.phase = phase
+
     def begin(self, *, head_only: bool, read_timeout: float | None) -> None:
+        """A request is about to be written: the exchange's state starts afresh."""
+        self._to(Phase.HEAD)
         if self._spent:
             self._parser = httptools.HttpResponseParser(self)
             self._spent = False
         self._resume_reading()
-        self.expecting = True
-        self.final_head = False
+        self._withheld = False
         self.interim = 0
         self.head_only = head_only
         self.status = 0
         self.headers = []
         self.relayed = 0
         self._head_bytes = 0
-        self._head_ended = False
         self._in_trailer = False
         self._out = []
         self._chunks = []
         self._buffered = 0
-        self._done = False
         self._failure = None
         self._sink = None
         self.read_timeout = read_timeout
@@ -119,16 +145,16 @@ class BackendConnection(asyncio.Protocol):
 
     async def head(self) -> None:
         """Wait for the final response head; raises the exchange's UpstreamFailure."""
-        while not self.final_head and self._failure is None:
+        while self.phase is Phase.HEAD:
             await self._wait()
-        if not self.final_head:
+        if self._withheld:
             assert self._failure is not None
             raise self._failure
         # A failure after a whole head (a body cut off) is the body's: read or relay raise it.
 
     async def read(self) -> bytes:
         """The next piece of the body as it arrives; b"" at its end."""
-        while not self._chunks and not self._done and self._failure is None:
+        while not self._chunks and self.phase is Phase.BODY:
             await self._wait()
         if self._chunks:
             chunks = self._chunks
@@ -148,20 +174,21 @@ class BackendConnection(asyncio.Protocol):
         """
         self._sink = sink
         chunks = self._chunks
-        if chunks or self._done:
+        done = self.phase is Phase.DONE
+        if chunks or done:
             # What came with the head (a whole small reply, often) leaves with it, in one write.
             self._chunks = []
             self._buffered = 0
             for chunk in chunks:
                 self.relayed += len(chunk)
-            sink.send(chunks, last=self._done)
+            sink.send(chunks, last=done)
         else:
             sink.flush_head()  # nothing yet: the client gets the head before the first event
         if not sink.writing_paused:
             self._resume_reading()
-        elif not self._done:
+        elif not done:
             self._pause_for(sink)
-        while not self._done and self._failure is None:
+        while self.phase is Phase.BODY:
             await self._wait()
         if self._failure is not None:
             raise self._failure
@@ -179,10 +206,13 @@ class BackendConnection(asyncio.Protocol):
             waiter.set_result(None)
 
     def fail(self, exc: BaseException) -> None:
-        """End the exchange with `exc` (the first failure wins) and stop reading."""
-        if self._failure is None and not self._done:
+        """End the exchange with `exc` (the first failure wins; an exchange that ended
+        stays ended) and stop reading."""
+        if self.phase in _EXPECTING:
+            if self.phase is Phase.HEAD:
+                self._withheld = True
             self._failure = exc
-        self.expecting = False
+            self._to(Phase.FAILED)
         self._cancel_timer()
         self._wake()
 
@@ -211,13 +241,13 @@ class BackendConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._cancel_timer()
-        if self.expecting:
-            if self._until_eof and self.final_head:
+        if self.phase is Phase.BODY:
+            if self._until_eof:
                 self._message_done()  # a body without framing ends with the connection
-            elif self.final_head:
-                self.fail(UpstreamBroken("ClientPayloadError"))
             else:
-                self.fail(UpstreamError("ServerDisconnectedError"))
+                self.fail(UpstreamBroken("ClientPayloadError"))
+        elif self.phase is Phase.HEAD:
+            self.fail(UpstreamError("ServerDisconnectedError"))
         self.transport = None
 
     def eof_received(self) -> None:
@@ -229,7 +259,7 @@ class BackendConnection(asyncio.Protocol):
             self._refuse()
             return
         self._last_read = self._loop.time()
-        had_head = self.final_head
+        had_head = self.phase is Phase.BODY
         in_trailer = self._in_trailer
         try:
             self._parser.feed_data(data)
@@ -241,11 +271,11 @@ class BackendConnection(asyncio.Protocol):
                 # Parsing stopped on purpose; a whole response before it still goes out.
                 if self._failure is None:
                     self._flush()
-                    if self._head_ended and not _ends_at_head(data):
+                    if self._spent and not _ends_at_head(data):
                         # Bytes after a HEAD answer's head, unasked for.
                         self._refuse()
                 return
-            if self._done:
+            if self.phase is Phase.DONE:
                 # Bytes after a response that ended (llhttp refuses anything after one that
                 # closes the connection): the response goes out whole, the bytes are stray.
                 self._flush()
@@ -254,35 +284,37 @@ class BackendConnection(asyncio.Protocol):
             if not had_head:
                 # The head came in the same read as the fault: it is never handed over,
                 # and the exchange fails as a whole (a 502), not mid-body.
-                self.final_head = False
-            kind = UpstreamBroken if self.final_head else UpstreamError
+                self._withheld = True
+            kind = UpstreamError if self._withheld else UpstreamBroken
             self.fail(kind(type(exc).__name__))
             self.abort()
             return
         self._flush()
-        if self.expecting and (not self.final_head or (in_trailer and self._in_trailer)):
+        phase = self.phase
+        if phase is Phase.HEAD or (phase is Phase.BODY and in_trailer and self._in_trailer):
             # The parser holds an unfinished field without bound: the head as a whole, and
             # a chunked body's trailer section, are bounded (to the cap plus one read; the
             # read a head ends in is not counted).
             self._head_bytes += len(data)
-            if self._head_bytes > HEAD_FACTOR * self._max_field:
-                kind = UpstreamBroken if self.final_head else UpstreamError
+            if self._head_bytes > http1.HEAD_FACTOR * self._max_field:
+                kind = UpstreamBroken if phase is Phase.BODY else UpstreamError
                 self.fail(kind("LineTooLong"))
                 self.abort()
 
     def _flush(self) -> None:
         """Send the body pieces of this read to the client, with the body's end if it came."""
         sink = self._sink
-        if sink is None or not (self._out or self._done):
+        done = self.phase is Phase.DONE
+        if sink is None or not (self._out or done):
             return
         out = self._out
         self._out = []
         try:
-            sink.send(out, last=self._done)
+            sink.send(out, last=done)
         except ConnectionError as exc:
             self.fail(exc)
             return
-        if sink.writing_paused and not self._done:
+        if sink.writing_paused and not done:
             # Only while the body is under way: a finished exchange is never left paused,
             # or the next request on this connection would wait for a resume that never comes.
             self._pause_for(sink)
@@ -307,7 +339,7 @@ class BackendConnection(asyncio.Protocol):
     # -- parser callbacks -------------------------------------------------------------------
 
     def on_message_begin(self) -> None:
-        if self.final_head:
+        if self.phase is not Phase.HEAD:
             # A second response to one request (found in the same read as the first one's
             # end): it answers nothing, and whatever comes next is suspect.
             self._refuse()
@@ -324,7 +356,7 @@ class BackendConnection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         limit = self._max_field
-        if len(name) > limit or len(value) > limit or len(self._fields) >= MAX_HEADERS:
+        if len(name) > limit or len(value) > limit or len(self._fields) >= http1.MAX_HEADERS:
             self.fail(UpstreamError("LineTooLong"))
             self.abort()
             raise _Abandon
@@ -335,12 +367,11 @@ class BackendConnection(asyncio.Protocol):
         code = parser.get_status_code()
         if 100 <= code <= 199 and code != 101:
             self.interim += 1
-            if self.interim > MAX_INTERIM_RESPONSES:
+            if self.interim > http1.MAX_INTERIM_RESPONSES:
                 self.fail(UpstreamError("too many interim responses"))
                 self.abort()
                 raise _Abandon
             return
-        self.final_head = True
         self.status = code
         # Decoded so that the head's encoding (utf-8, surrogateescape) gives back the bytes
         # as sent, whatever they are (latin-1 here would turn \xe9 into \xc3\xa9).
@@ -351,21 +382,20 @@ class BackendConnection(asyncio.Protocol):
         ]
         self._fields = []
         self.should_close = not parser.should_keep_alive()
-        framed = code in (204, 304) or code == 101
+        framed = code in http1.NO_BODY_STATUS or code == 101
         codings: list[str] | None = None
         for name, value in headers:
             lowered = name.lower()
             if lowered == "content-length":
                 framed = True
             elif lowered == "transfer-encoding":
-                codings = (codings or []) + value.lower().split(",")
+                codings = [*(codings or ()), value]
         if codings is not None:
             # The gateway re-frames every body it relays: it can drop a chunked framing,
             # not a coding under it (gzip, chunked) that the client would then never learn
             # of; and a list that does not end in chunked (chunked, gzip) has no framing a
             # relay can trust. Either is a 502 before any of it reaches the client.
-            if [c for c in map(str.strip, codings) if c] != ["chunked"]:
-                self.final_head = False
+            if not http1.only_chunked(codings):
                 self.fail(UpstreamError("unsupported transfer coding"))
                 self.abort()
                 raise _Abandon
@@ -376,11 +406,10 @@ class BackendConnection(asyncio.Protocol):
             # bytes as this one's body: the exchange ends at the head, and the next one
             # gets a fresh parser. (101: nothing after it is HTTP; the caller closes.)
             self._spent = True
-            self._head_ended = True
             self.should_close = self.should_close or code == 101
             self._message_done()
-            self._wake()
             raise _Abandon
+        self._to(Phase.BODY)
         self._wake()
 
     def on_chunk_header(self) -> None:
@@ -404,13 +433,12 @@ class BackendConnection(asyncio.Protocol):
         self._out.append(body)
 
     def on_message_complete(self) -> None:
-        if not self.final_head:
-            return  # an interim response ended; the final one follows
-        self._message_done()
+        if self.phase is Phase.BODY:
+            self._message_done()
+        # else an interim response ended; the final one follows
 
     def _message_done(self) -> None:
-        self._done = True
-        self.expecting = False
+        self._to(Phase.DONE)
         self._wake()  # the timer stays for the next exchange; its check sees none under way
 
     # -- flow control -------------------------------------------------------------------
@@ -461,7 +489,7 @@ class BackendConnection(asyncio.Protocol):
     def _due(self, timeout: float) -> float:
         """When the exchange times out: the head within `timeout` of the request's write,
         then each piece of the body within `timeout` of the last."""
-        return (self._last_read if self.final_head else self._sent_at) + timeout
+        return (self._sent_at if self.phase is Phase.HEAD else self._last_read) + timeout
 
     def _check(self) -> None:
         """Rescheduled from the last read rather than on every read: one timer per
@@ -488,4 +516,4 @@ def _ends_at_head(data: bytes) -> bool:
     return data.endswith(b"\r\n\r\n") and data.count(b"\r\n\r\n") == 1
 
 
-__all__ = ["MAX_INTERIM_RESPONSES", "BackendConnection", "UpstreamFailure"]
+__all__ = ["TRANSITIONS", "BackendConnection", "Phase", "UpstreamFailure"]

@@ -14,8 +14,8 @@ the edge guarantees:
   two) a 400 (s.3.2), a request line with more than single spaces a 400 (s.3), and so is
   an upgrade request with a body, whose bytes llhttp would stop parsing at the head;
 - the head is bounded: the request line and each header field by limits.max_header_bytes,
-  at most MAX_HEADERS fields, and the whole head by HEAD_FACTOR times the limit, so a
-  connection's memory is bounded before any field ends;
+  at most http1.MAX_HEADERS fields, and the whole head by http1.HEAD_FACTOR times the
+  limit, so a connection's memory is bounded before any field ends;
 - a head must arrive whole within the keep-alive timeout, which runs from the connection's
   start and from the end of each response (a client dripping bytes gains nothing);
 - requests are answered one at a time, in order; pipelined ones wait parsed, and reading
@@ -38,11 +38,8 @@ import fcntl
 import logging
 import sys
 import termios
-import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from email.utils import formatdate
-from http import HTTPStatus
 from typing import Final, NamedTuple, cast
 
 import httptools
@@ -50,16 +47,12 @@ from multidict import CIMultiDict
 
 from gateway.contract import replies
 from gateway.contract.routes import Family
+from gateway.edge import http1
 from gateway.edge.headers import SERVER
 from gateway.ops.redact import describe
 
 log = logging.getLogger("gateway.listener")
 
-# Header fields per request: as many as aiohttp's server allows; real clients send 5-20.
-MAX_HEADERS: Final = 128
-# The whole head may be this many times limits.max_header_bytes (128 KiB at the default):
-# the fields' own caps allow more, but the bytes of an unfinished head are held in memory.
-HEAD_FACTOR: Final = 8
 # Parsed requests that may wait behind the one being answered before reading pauses: one,
 # so a pipelined body waits in the kernel, not in memory (and a read already taken in is
 # parsed to its end, so a pipeline's memory is one read's worth of requests at most).
@@ -73,10 +66,8 @@ _JOIN_MAX: Final = 16 << 10
 _LINE_SLACK: Final = 64
 # How long a closing connection keeps reading (and dropping) what the client still sends.
 _LINGER_S: Final = 2.0
-_CRLF: Final = b"\r\n"
 _CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
 _SERVER_LINE: Final = f"{SERVER[0]}: {SERVER[1]}\r\n"
-_NO_BODY_STATUS: Final = frozenset({204, 304})
 
 
 class HttpVersion(NamedTuple):
@@ -99,33 +90,6 @@ class _Refuse(Exception):
     def __init__(self, status: int) -> None:
         super().__init__(status)
         self.status = status
-
-
-_PHRASES: Final = {s.value: s.phrase for s in HTTPStatus}
-
-
-def _phrase(status: int) -> str:
-    return _PHRASES.get(status, "Unknown")
-
-
-class _Date:
-    """The Date header's value, formatted once a second rather than per reply."""
-
-    __slots__ = ("_second", "_value")
-
-    def __init__(self) -> None:
-        self._second = -1
-        self._value = ""
-
-    def now(self) -> str:
-        second = int(time.time())
-        if second != self._second:
-            self._second = second
-            self._value = formatdate(second, usegmt=True)
-        return self._value
-
-
-_date = _Date()
 
 
 class Reply:
@@ -290,13 +254,13 @@ class Request:
         event)."""
         conn = self._conn
         closing = conn.must_close(self)
-        lines = [f"HTTP/1.1 {status} {reason or _phrase(status)}\r\n"]
+        lines = [f"HTTP/1.1 {status} {reason or http1.phrase(status)}\r\n"]
         if status == 204 or status < 200:
             # RFC 9110 s.8.6: never a Content-Length on these, whatever the backend said.
             headers = [h for h in headers if h[0].lower() != "content-length"]
         for name, value in headers:
             lines += (name, ": ", value, "\r\n")
-        bodyless = self.method == "HEAD" or status in _NO_BODY_STATUS or status < 200
+        bodyless = self.method == "HEAD" or status in http1.NO_BODY_STATUS or status < 200
         if not sized and not bodyless:
             if self.version >= HTTP_11:
                 lines.append("Transfer-Encoding: chunked\r\n")
@@ -305,7 +269,7 @@ class Request:
                 closing = True  # HTTP/1.0 has no chunks: the body ends with the connection
                 self._framing = 2
         if not any(name.lower() == "date" for name, _ in headers):
-            lines += ("Date: ", _date.now(), "\r\n")
+            lines += ("Date: ", http1.date.now(), "\r\n")
         head = _finish_head(lines, self, closing)
         if bodyless:
             self._ended = True
@@ -333,7 +297,7 @@ class Request:
         if self._framing == 1:
             for piece in pieces:
                 if piece:
-                    out += (b"%x\r\n" % len(piece), piece, _CRLF)
+                    out += (b"%x\r\n" % len(piece), piece, http1.CRLF)
             if last:
                 out.append(b"0\r\n\r\n")
         else:
@@ -594,7 +558,7 @@ class _Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         limit = self._listener.max_field
         fields = self._fields
-        if len(name) > limit or len(value) > limit or len(fields) >= MAX_HEADERS:
+        if len(name) > limit or len(value) > limit or len(fields) >= http1.MAX_HEADERS:
             raise _Refuse(431)
         fields.append((name, value))
 
@@ -626,10 +590,7 @@ class _Connection(asyncio.Protocol):
         if chunked:
             if version < HTTP_11:
                 raise _Refuse(400)  # RFC 9112 s.6.1: the framing of such a message is faulty
-            codings = ",".join(headers.getall("Transfer-Encoding")).lower().split(",")
-            # Empty list elements count for nothing (RFC 9110 s.5.6.1).
-            codings = [c for c in map(str.strip, codings) if c]
-            if codings != ["chunked"]:
+            if not http1.only_chunked(headers.getall("Transfer-Encoding")):
                 # llhttp takes any list that ends in chunked; a coding the gateway would
                 # have to undo (or a second chunked) is one it does not implement (s.6.1).
                 raise _Refuse(501)
@@ -776,12 +737,12 @@ class _Connection(asyncio.Protocol):
         body = reply.body
         closing = reply.close or self.must_close(request)
         parts = [
-            f"HTTP/1.1 {status} {_phrase(status)}\r\n"
+            f"HTTP/1.1 {status} {http1.phrase(status)}\r\n"
             f"Content-Type: {reply.content_type}\r\nContent-Length: {len(body)}\r\n"
         ]
         for name, value in reply.headers:
             parts += (name, ": ", value, "\r\n")
-        parts += ("Date: ", _date.now(), "\r\n")
+        parts += ("Date: ", http1.date.now(), "\r\n")
         head = _finish_head(parts, request, closing)
         request._ended = True
         if request.method == "HEAD" or not body:
@@ -873,10 +834,10 @@ class _Connection(asyncio.Protocol):
 
     def _write_refusal(self) -> None:
         status = self._refusal or 400
-        body = replies.render(Family.PLAIN, status, _phrase(status))
+        body = replies.render(Family.PLAIN, status, http1.phrase(status))
         head = (
-            f"HTTP/1.1 {status} {_phrase(status)}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n{_SERVER_LINE}Date: {_date.now()}\r\n"
+            f"HTTP/1.1 {status} {http1.phrase(status)}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n{_SERVER_LINE}Date: {http1.date.now()}\r\n"
             "Connection: close\r\n\r\n"
         )
         self.write_raw(head.encode() + body)
@@ -938,7 +899,7 @@ class Listener:
         self.max_connections = max_connections
         self.keepalive_s = keepalive_s
         self.max_field = max_header_bytes
-        self.head_max = HEAD_FACTOR * max_header_bytes
+        self.head_max = http1.HEAD_FACTOR * max_header_bytes
         self.max_body = max_body
         self.connections: set[_Connection] = set()
         self.connections_refused = 0
