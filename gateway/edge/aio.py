@@ -13,10 +13,6 @@ import aiohttp
 from aiohttp import http_parser
 
 _MIN_AIOHTTP: Final = (3, 14, 2)
-# Interim (1xx) responses accepted before the final one. RFC 9110 sets no limit, but every
-# real server sends at most a few (100 Continue, 103 Early Hints); each one costs a parse and
-# a queued message, so a backend that streams them without end would stall the loop.
-MAX_INTERIM_RESPONSES: Final = 16
 
 
 def check_runtime() -> str | None:
