@@ -11,7 +11,6 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from aiohttp import web
 
 from gateway import config as config_mod
 from gateway.app import Gateway
@@ -19,6 +18,7 @@ from gateway.edge.clients import KubernetesApi
 from gateway.fleet.pool import Health
 from gateway.testing.stub import StubBackend
 from tests.conftest import GatewayFactory, admin_url, gw_url, wait_for
+from tests.fleet.kubeapi import FakeKubernetesApi
 
 JSON = {"Content-Type": "application/json"}
 OK_BODY = orjson.dumps({"text": "x", "sampling_params": {"top_k": 2, "max_new_tokens": 2}})
@@ -257,59 +257,6 @@ async def test_dns_discovery_follows_answers_and_keeps_last_good(
             await s.stop()
 
 
-class FakeKubernetesApi:
-    """Just enough of the API server: list and watch EndpointSlices, over real HTTP."""
-
-    def __init__(self) -> None:
-        self.slices: dict[str, dict[str, Any]] = {}
-        self.version = 1
-        self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self.lists = 0
-        self.auth: list[str | None] = []
-        self.selectors: list[str] = []
-        self.hang_lists = False  # a wedged API server: lists never answer
-
-    def endpoint_slice(
-        self, name: str, endpoints: list[tuple[str, bool | None]], port: int
-    ) -> dict[str, Any]:
-        eps = []
-        for address, ready in endpoints:
-            ep: dict[str, Any] = {"addresses": [address]}
-            if ready is not None:
-                ep["conditions"] = {"ready": ready}
-            eps.append(ep)
-        return {
-            "metadata": {"name": name, "labels": {"kubernetes.io/service-name": "sglang"}},
-            "addressType": "IPv4",
-            "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
-            "endpoints": eps,
-        }
-
-    def put(self, item: dict[str, Any], kind: str = "MODIFIED") -> None:
-        self.version += 1
-        self.slices[item["metadata"]["name"]] = item
-        self.events.put_nowait({"type": kind, "object": item})
-
-    async def handler(self, request: web.Request) -> web.StreamResponse:
-        self.auth.append(request.headers.get("Authorization"))
-        self.selectors.append(request.query.get("labelSelector", ""))
-        if request.query.get("watch") != "1":
-            self.lists += 1
-            if self.hang_lists:
-                await asyncio.sleep(3600)
-            return web.json_response(
-                {
-                    "metadata": {"resourceVersion": str(self.version)},
-                    "items": list(self.slices.values()),
-                }
-            )
-        resp = web.StreamResponse()
-        await resp.prepare(request)
-        while True:
-            event = await self.events.get()
-            await resp.write(orjson.dumps(event) + b"\n")
-
-
 async def test_kubernetes_discovery_tracks_ready_endpoints(
     make_gateway: GatewayFactory, session: aiohttp.ClientSession, tmp_path: Any
 ) -> None:
@@ -321,13 +268,7 @@ async def test_kubernetes_discovery_tracks_ready_endpoints(
     api.put(
         api.endpoint_slice("sglang-a", [("127.0.0.1", True), ("127.0.0.2", False)], port), "ADDED"
     )
-    app = web.Application()
-    app.router.add_get("/apis/discovery.k8s.io/v1/namespaces/llm/endpointslices", api.handler)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    api_port = runner.addresses[0][1]
+    await api.start()
     token = tmp_path / "token"
     token.write_text("sa-token-1\n")
     try:
@@ -338,7 +279,7 @@ async def test_kubernetes_discovery_tracks_ready_endpoints(
                     "namespace": "llm",
                     "service": "sglang",
                     "port_name": "http",
-                    "api_server": f"http://127.0.0.1:{api_port}",
+                    "api_server": api.url,
                     "token_file": str(token),
                     "ca_file": None,
                     "resync_s": 0.5,
@@ -363,7 +304,7 @@ async def test_kubernetes_discovery_tracks_ready_endpoints(
         api.put(api.endpoint_slice("sglang-a", [("127.0.0.1", False), ("127.0.0.2", True)], port))
         await wait_for(lambda: [b.url for b in gw.pool.backends] == [f"http://127.0.0.2:{port}"])
     finally:
-        await runner.cleanup()
+        await api.stop()
         for s in stubs:
             await s.stop()
 
@@ -372,12 +313,7 @@ async def test_kubernetes_list_is_bounded_and_a_timeout_counts_as_an_error() -> 
     """A wedged API server fails the list within its own bound (not ttfb_s, 900 s), as an
     error discovery counts and backs off from rather than a silent relist loop."""
     api = FakeKubernetesApi()
-    app = web.Application()
-    app.router.add_get("/apis/discovery.k8s.io/v1/namespaces/llm/endpointslices", api.handler)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    url = await api.start()
     try:
         async with aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, sock_read=900)
@@ -399,7 +335,7 @@ async def test_kubernetes_list_is_bounded_and_a_timeout_counts_as_an_error() -> 
                 await client.list()
             assert loop.time() - started < 2
     finally:
-        await runner.cleanup()
+        await api.stop()
 
 
 async def test_in_flight_request_on_a_removed_backend_finishes(
