@@ -30,7 +30,7 @@ from gateway.edge.headers import ForwardedHeaders
 from gateway.edge.proxy import Proxy, ProxySettings
 from gateway.edge.server import Listener
 from gateway.edge.upstream import Upstream
-from gateway.fleet.discovery import Resolver
+from gateway.fleet.discovery import Resolver, describe_failure
 from gateway.fleet.membership import Fleet
 from gateway.fleet.pool import BackendPool
 from gateway.fleet.shared import SharedState
@@ -209,9 +209,12 @@ class Gateway:
     def readiness(self) -> tuple[bool, str]:
         if self.draining:
             return False, "draining"
+        # A failing discovery does not by itself make the gateway unready (the last good
+        # set serves), but the reason says why the fleet may be stale or empty.
+        failing = describe_failure(self.fleet.discovery)
         if not self.fleet.pool.ready:
-            return False, "no healthy backend"
-        return True, "ok"
+            return False, "no healthy backend" + (f"; {failing}" if failing else "")
+        return True, "ok" + (f"; {failing}, last good set served" if failing else "")
 
     async def start(self, *, reuse_port: bool = False, shared: SharedState | None = None) -> None:
         cfg = self.cfg

@@ -135,6 +135,11 @@ class KubernetesConfig(_Model):
     scheme: Literal["http", "https"] = "http"
     # A full relist this often, besides the watch, so a missed event cannot linger.
     resync_s: Seconds = 60.0
+    # After a failed API call the next waits retry_base_s, doubling with each failure in a
+    # row up to retry_max_s; each wait is between half and all of its step, at random, so
+    # gateway replicas that failed together (an API-server restart) do not retry in step.
+    retry_base_s: Seconds = 1.0
+    retry_max_s: Seconds = 30.0
     api_server: str = "https://kubernetes.default.svc"
     token_file: str | None = "/var/run/secrets/kubernetes.io/serviceaccount/token"
     ca_file: str | None = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
@@ -145,6 +150,11 @@ class KubernetesConfig(_Model):
             raise ValueError("set exactly one of service or label_selector")
         if (self.port is None) == (self.port_name is None):
             raise ValueError("set exactly one of port or port_name")
+        if self.retry_max_s < self.retry_base_s:
+            raise ValueError(
+                f"retry_max_s ({self.retry_max_s}) must be at least retry_base_s "
+                f"({self.retry_base_s})"
+            )
         return self
 
     @property

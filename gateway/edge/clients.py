@@ -18,7 +18,13 @@ import orjson
 
 from gateway.config import GatewayConfig, KubernetesConfig
 from gateway.contract.profiles import ServerInfo
-from gateway.fleet.discovery import EndpointSliceApi
+from gateway.fleet.discovery import (
+    BAD_RESPONSE,
+    UNAUTHORIZED,
+    UNREACHABLE,
+    ApiError,
+    EndpointSliceApi,
+)
 from gateway.fleet.health import ProbeResult
 from gateway.runtime import LOCAL_ERRNOS
 
@@ -103,6 +109,25 @@ class AiohttpClients:
         )
 
 
+def _no_answer(exc: BaseException) -> str:
+    """What went wrong with a call that got no usable answer, in the gateway's words (an
+    aiohttp error's text can quote the request URL and what the server sent)."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return f"cannot connect ({exc.os_error.strerror or type(exc.os_error).__name__})"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "the server closed the connection"
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return "the answer was cut off"
+    return type(exc).__name__
+
+
+def _json(body: bytes) -> object:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+
+
 class KubernetesApi:
     """discovery.EndpointSliceApi over aiohttp (no client library)."""
 
@@ -126,17 +151,29 @@ class KubernetesApi:
             f"/namespaces/{namespace}/endpointslices"
         )
         self._selector = label_selector
+        self.target = (
+            f'endpointslices.discovery.k8s.io in namespace "{namespace}" '
+            f"(labelSelector {label_selector})"
+        )
         self._token_file = token_file
         self._ssl: ssl.SSLContext | bool = True
         if ca_file is not None and api_server.startswith("https"):
             self._ssl = ssl.create_default_context(cafile=ca_file)
 
-    async def _headers(self) -> dict[str, str]:
+    async def _headers(self, verb: str) -> dict[str, str]:
         headers = {"Accept": "application/json"}
         if self._token_file is not None:
             # Re-read every call: projected service-account tokens rotate. In a thread, so
             # a slow volume never stalls the event loop.
-            text = await asyncio.to_thread(Path(self._token_file).read_text, encoding="utf-8")
+            path = Path(self._token_file)
+            try:
+                text = await asyncio.to_thread(path.read_text, encoding="utf-8")
+            except (OSError, UnicodeError) as exc:
+                # No credential to send: the API server would only answer 401.
+                why = exc.strerror if isinstance(exc, OSError) else "not UTF-8"
+                raise ApiError(
+                    UNAUTHORIZED, verb, message=f"cannot read the token file {path}: {why}"
+                ) from exc
             headers["Authorization"] = f"Bearer {text.strip()}"
         return headers
 
@@ -146,20 +183,26 @@ class KubernetesApi:
             async with self._session.get(
                 self._base,
                 params=params,
-                headers=await self._headers(),
+                headers=await self._headers("list"),
                 ssl=self._ssl,
                 timeout=self._list_timeout,
             ) as resp:
-                resp.raise_for_status()
-                body = orjson.loads(await resp.read())
+                raw = await resp.read()
+                if resp.status != 200:
+                    raise ApiError.answered("list", resp.status, _json(raw))
         except TimeoutError as exc:
             # An error to count and back off from, not the watch's periodic-relist timeout.
-            raise OSError(
-                f"EndpointSlice list timed out after {self._list_timeout.total} s"
+            raise ApiError(
+                UNREACHABLE, "list", message=f"timed out after {self._list_timeout.total} s"
             ) from exc
         except aiohttp.ClientError as exc:
-            raise OSError(f"EndpointSlice list failed: {type(exc).__name__}") from exc
-        return list(body.get("items") or []), str(body["metadata"].get("resourceVersion", ""))
+            raise ApiError(UNREACHABLE, "list", message=_no_answer(exc)) from exc
+        body = _json(raw)
+        metadata = body.get("metadata") if isinstance(body, dict) else None
+        items = body.get("items") if isinstance(body, dict) else None
+        if not isinstance(metadata, dict) or not isinstance(items, list | None):
+            raise ApiError(BAD_RESPONSE, "list", 200, "not an EndpointSliceList")
+        return list(items or []), str(metadata.get("resourceVersion", ""))
 
     async def watch(
         self, resource_version: str, timeout_s: float
@@ -175,14 +218,18 @@ class KubernetesApi:
             async with self._session.get(
                 self._base,
                 params=params,
-                headers=await self._headers(),
+                headers=await self._headers("watch"),
                 ssl=self._ssl,
                 timeout=aiohttp.ClientTimeout(total=None, sock_read=timeout_s + 30),
             ) as resp:
-                resp.raise_for_status()
+                if resp.status != 200:
+                    raise ApiError.answered("watch", resp.status, _json(await resp.read()))
                 async for line in resp.content:
                     if line.strip():
-                        event = orjson.loads(line)
-                        yield str(event.get("type")), event.get("object") or {}
+                        event = _json(line)
+                        if not isinstance(event, dict):
+                            raise ApiError(BAD_RESPONSE, "watch", 200, "not a watch event")
+                        obj = event.get("object")
+                        yield str(event.get("type")), obj if isinstance(obj, dict) else {}
         except aiohttp.ClientError as exc:
-            raise OSError(f"EndpointSlice watch failed: {type(exc).__name__}") from exc
+            raise ApiError(UNREACHABLE, "watch", message=_no_answer(exc)) from exc

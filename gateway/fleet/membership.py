@@ -104,6 +104,8 @@ class Fleet:
                 port=k.port,
                 port_name=k.port_name,
                 resync_s=k.resync_s,
+                retry_base_s=k.retry_base_s,
+                retry_max_s=k.retry_max_s,
             )
         if cfg.discovery == "registry":
             if self.registry is None:

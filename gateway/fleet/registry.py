@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gateway.config import normalize_backend_url
-from gateway.fleet.discovery import Publish
+from gateway.fleet.discovery import Failure, Publish
 
 
 class RegistryError(ValueError):
@@ -22,6 +22,7 @@ class RegistryError(ValueError):
 
 class WorkerRegistry:
     name = "registry"
+    causes: tuple[str, ...] = ()  # callers are refused (RegistryError); its answers never fail
 
     def __init__(self, seed: Sequence[str] = ()) -> None:
         # url -> what the caller registered with it besides the URL (worker_type,
@@ -29,7 +30,8 @@ class WorkerRegistry:
         self._workers: dict[str, dict[str, Any]] = {url: {} for url in seed}
         self._publish: Publish | None = None
         self.updates = 0
-        self.errors = 0
+        self.errors: dict[str, int] = {}
+        self.failing: Failure | None = None
 
     @property
     def urls(self) -> tuple[str, ...]:

@@ -14,7 +14,7 @@ output too instead of lingering as a stale series.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from http import HTTPStatus
 from typing import Final, Protocol
 
@@ -443,9 +443,17 @@ _SHARED_ERRORS: Final = (
 
 
 class _DiscoveryStats(Protocol):
-    name: str
-    updates: int
-    errors: int
+    # Read-only here, so any discovery's own attribute types fit.
+    @property
+    def name(self) -> str: ...
+    @property
+    def causes(self) -> tuple[str, ...]: ...
+    @property
+    def updates(self) -> int: ...
+    @property
+    def errors(self) -> Mapping[str, int]: ...
+    @property
+    def failing(self) -> object | None: ...
 
 
 class _FleetView(Protocol):
@@ -497,18 +505,32 @@ class FleetCollector(Collector):
         p = "sglang_gateway_"
         d = self._gw.fleet.discovery
         updates = CounterMetricFamily(
-            p + "discovery_updates", "Membership snapshots published.", labels=["discovery"]
+            p + "discovery_updates", "Membership snapshots published.", labels=["source"]
         )
         errors = CounterMetricFamily(
             p + "discovery_errors",
-            "Failed or empty discovery answers (the last good set was kept).",
-            labels=["discovery"],
+            "Failed or empty discovery answers (the last good set was kept), by source and "
+            "cause: unauthorized (401), forbidden (403), gone (410: an expired watch, relisted "
+            "at once), unreachable (no answer, or 5xx/408/429), bad_response, empty.",
+            labels=["source", "cause"],
+        )
+        failing = GaugeMetricFamily(
+            p + "discovery_failing",
+            "1 while the discovery's answers are not taken (its last call failed or found no "
+            "backend; the last good set is served), else 0.",
+            labels=["source"],
         )
         if d is not None:
             updates.add_metric([d.name], d.updates)
-            errors.add_metric([d.name], d.errors)
+            # Every cause the source can report, at 0 until it does, so increase() and
+            # alerts see its first error.
+            by_cause = {**dict.fromkeys(d.causes, 0), **d.errors}
+            for cause, count in sorted(by_cause.items()):
+                errors.add_metric([d.name, cause], float(count))
+            failing.add_metric([d.name], 0.0 if d.failing is None else 1.0)
         yield updates
         yield errors
+        yield failing
         reloads = CounterMetricFamily(
             p + "config_reloads", "Config reloads by result.", labels=["result"]
         )

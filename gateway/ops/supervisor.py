@@ -83,6 +83,16 @@ class _Merged(Collector):
         yield from self._families
 
 
+def _reason(body: str) -> str:
+    """The `reason` of a worker's /readyz answer ("" when it is not one)."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return ""
+    reason = doc.get("reason") if isinstance(doc, dict) else None
+    return reason if isinstance(reason, str) else ""
+
+
 def merge_metrics(
     texts: Sequence[tuple[int, str]], own: Sequence[Metric] = (), accept: str | None = None
 ) -> tuple[bytes, str]:
@@ -260,6 +270,14 @@ class Supervisor:
         reason = f"{ok}/{len(self.workers)} workers ready"
         if failing:
             reason += "; failing to start: " + ", ".join(f"worker {i}" for i in failing)
+        # Why the others are not: each distinct reason once (the workers share a fleet
+        # config, so a discovery failure reads the same in each).
+        why: dict[str, list[int]] = {}
+        for w, r in zip(self.workers, results, strict=True):
+            if r is not None and r[0] != 200 and (text := _reason(r[1])):
+                why.setdefault(text, []).append(w.index)
+        for text, indexes in why.items():
+            reason += f"; worker {', '.join(map(str, indexes))}: {text}"
         return ok > 0 and not failing, reason
 
     async def metrics(self, accept: str | None = None) -> tuple[bytes, str]:

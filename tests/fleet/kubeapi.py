@@ -56,8 +56,9 @@ class FakeKubernetesApi:
         self.granted = {"list", "watch"}
         # Every call answered with this status (an API server restarting: 503), if set.
         self.fail_status: int | None = None
-        # The next watch is answered 410 Gone itself (not an ERROR event in a 200 stream).
-        self.expire_next_watch = False
+        # The next this many watches are answered 410 Gone themselves (not with an ERROR
+        # event in a 200 stream).
+        self.expire_watches = 0
         self.url = ""
         self.port = 0
         self._runner: web.AppRunner | None = None
@@ -147,8 +148,8 @@ class FakeKubernetesApi:
                     "items": list(self.slices.values()),
                 }
             )
-        if self.expire_next_watch:
-            self.expire_next_watch = False
+        if self.expire_watches > 0:
+            self.expire_watches -= 1
             return web.json_response(expired(), status=410)
         resp = web.StreamResponse()
         await resp.prepare(request)

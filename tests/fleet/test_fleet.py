@@ -15,6 +15,7 @@ import pytest
 from gateway import config as config_mod
 from gateway.app import Gateway
 from gateway.edge.clients import KubernetesApi
+from gateway.fleet.discovery import ApiError
 from gateway.fleet.pool import Health
 from gateway.testing.stub import StubBackend
 from tests.conftest import GatewayFactory, admin_url, gw_url, wait_for
@@ -237,7 +238,7 @@ async def test_dns_discovery_follows_answers_and_keeps_last_good(
             assert await send(session, gw) == 200
         assert served(stubs) == [5, 10, 5]
 
-        errors_before = gw.fleet.discovery.errors if gw.fleet.discovery else 0
+        errors_before = sum(gw.fleet.discovery.errors.values()) if gw.fleet.discovery else 0
         resolver.answer = OSError("SERVFAIL")
         calls = resolver.calls
         await wait_for(lambda: resolver.calls > calls + 2)
@@ -248,10 +249,10 @@ async def test_dns_discovery_follows_answers_and_keeps_last_good(
         for _ in range(4):
             assert await send(session, gw) == 200
         assert gw.fleet.discovery is not None
-        assert gw.fleet.discovery.errors >= errors_before + 4
+        assert sum(gw.fleet.discovery.errors.values()) >= errors_before + 4
         async with session.get(admin_url(gw, "/metrics")) as r:
             text = await r.text()
-        assert 'sglang_gateway_discovery_errors_total{discovery="dns"}' in text
+        assert 'sglang_gateway_discovery_errors_total{cause="empty",source="dns"}' in text
     finally:
         for s in stubs:
             await s.stop()
@@ -331,8 +332,9 @@ async def test_kubernetes_list_is_bounded_and_a_timeout_counts_as_an_error() -> 
             api.hang_lists = True
             loop = asyncio.get_running_loop()
             started = loop.time()
-            with pytest.raises(OSError, match="timed out"):
+            with pytest.raises(ApiError, match="timed out") as refused:
                 await client.list()
+            assert refused.value.cause == "unreachable"
             assert loop.time() - started < 2
     finally:
         await api.stop()

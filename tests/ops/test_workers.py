@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import signal
+from pathlib import Path
 
 import aiohttp
 import orjson
@@ -13,6 +15,7 @@ from prometheus_client.openmetrics.parser import text_fd_to_metric_families
 from gateway.ops.supervisor import merge_metrics
 from gateway.testing.stub import StubBackend
 from tests.conftest import free_port, spawn
+from tests.fleet.kubeapi import FakeKubernetesApi
 
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 
@@ -125,3 +128,48 @@ async def test_workers_that_cannot_start_say_why(stub: StubBackend) -> None:
     assert failure["level"] == "error"
     assert "address already in use" in failure["message"].lower()
     assert not [line for line in lines if "Unclosed" in line["message"]]
+
+
+async def test_the_supervisors_readyz_says_why_its_workers_are_not_ready(
+    tmp_path: Path,
+) -> None:
+    """Discovery refused by RBAC in every worker: the supervisor's /readyz names the cause
+    once, for all the workers it applies to."""
+    api = FakeKubernetesApi()
+    api.granted = set()
+    await api.start()
+    port, admin = free_port(), free_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(
+        f"listen: {{host: 127.0.0.1, port: {port}, workers: 2}}\n"
+        f"admin: {{host: 127.0.0.1, port: {admin}}}\n"
+        "backends:\n  discovery: kubernetes\n  kubernetes:\n"
+        f"    {{namespace: llm, service: sglang, port: 30000, api_server: '{api.url}',\n"
+        "     token_file: null, ca_file: null}\n"
+        "logging: {access_log: false}\n"
+    )
+    proc = await spawn(
+        "gateway",
+        "--config",
+        str(cfg),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    reason = ""
+    try:
+        async with aiohttp.ClientSession() as s, asyncio.timeout(30):
+            # Each worker says it once its first list is refused.
+            while "worker 0, 1: " not in reason:
+                await asyncio.sleep(0.1)
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with s.get(f"http://127.0.0.1:{admin}/readyz") as r:
+                        if r.status == 503:
+                            reason = (await r.json())["reason"]
+        assert reason == (
+            "0/2 workers ready; worker 0, 1: no healthy backend; kubernetes discovery "
+            "failing: forbidden (HTTP 403 on list endpointslices)"
+        ), reason
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), timeout=20) == 0
+        await api.stop()
