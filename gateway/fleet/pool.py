@@ -45,6 +45,7 @@ class Backend:
         "ejections",
         "ejections_total",
         "errors_5xx",
+        "flaps",
         "health",
         "inflight",
         "info_read_at",
@@ -52,6 +53,7 @@ class Backend:
         "probe_failures",
         "probe_successes",
         "profile",
+        "recovered",
         "removed",
         "server_info",
         "url",
@@ -68,6 +70,11 @@ class Backend:
         self.errors_5xx = 0  # consecutive 5xx answers
         self.ejections = 0  # consecutive ejections, for the back-off
         self.ejections_total = 0  # every ejection that took it out, for the metric
+        # Passed a probe or answered a request since it was last ejected (or joined): only
+        # an ejection after that is a flap. A dead backend is ejected again and again, but
+        # flaps once, when it died.
+        self.recovered = False
+        self.flaps = 0
         self.ejected_until = 0.0
         self.removed = False  # dropped from membership; in-flight requests still finish
         # Engine state set by control calls through the gateway (gateway/edge/control.py):
@@ -349,6 +356,7 @@ class BackendPool:
             b.health = health
 
     def probe_ok(self, b: Backend) -> None:
+        b.recovered = True
         b.probe_failures = 0
         b.probe_successes += 1
         if b.health is not Health.HEALTHY and b.probe_successes >= self._policy.healthy_threshold:
@@ -376,6 +384,7 @@ class BackendPool:
                 b.errors_5xx = 0
             return
         if status < 400:
+            b.recovered = True
             b.errors_5xx = 0
             b.ejections = 0
         if b.health is Health.UNKNOWN:
@@ -400,5 +409,8 @@ class BackendPool:
         if b.ejected_until <= now:
             log.warning("backend %s: ejected for %.1fs (%s)", b.url, period, why)
             b.ejections_total += 1
+            if b.recovered:
+                b.flaps += 1
+            b.recovered = False
         b.ejections += 1
         b.ejected_until = now + period

@@ -183,7 +183,7 @@ class _BackendCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         families = self._families()
-        members, healthy, state, ejected, ejections, inflight, weights, info = families
+        members, healthy, state, ejected, ejections, flaps, inflight, weights, info = families
         counts = dict.fromkeys((h.value for h in Health), 0)
         pool = self._pool
         for b in pool.backends:
@@ -195,6 +195,7 @@ class _BackendCollector(Collector):
             state.add_metric([b.url, "asleep"], 1.0 if b.asleep else 0.0)
             ejected.add_metric([b.url], 1.0 if pool.ejected(b) else 0.0)
             ejections.add_metric([b.url], float(b.ejections_total))
+            flaps.add_metric([b.url], float(b.flaps))
             inflight.add_metric([b.url], float(b.inflight))
             if b.weight_version is not None:
                 weights.add_metric([b.url, b.weight_version], 1.0)
@@ -210,6 +211,7 @@ class _BackendCollector(Collector):
         GaugeMetricFamily,
         GaugeMetricFamily,
         GaugeMetricFamily,
+        CounterMetricFamily,
         CounterMetricFamily,
         GaugeMetricFamily,
         GaugeMetricFamily,
@@ -244,6 +246,14 @@ class _BackendCollector(Collector):
                 p + "backend_ejections",
                 "Passive ejections of the backend (each time it was taken out, not each "
                 "extension): reliable where the backend_ejected gauge changes between scrapes.",
+                labels=["backend"],
+            ),
+            CounterMetricFamily(
+                p + "backend_flaps",
+                "Passive ejections of the backend after it had passed a probe or answered a "
+                "request since its previous ejection (or since it joined): it keeps coming "
+                "back and failing again. A dead backend, ejected again and again while its "
+                "probes fail, counts once.",
                 labels=["backend"],
             ),
             GaugeMetricFamily(
