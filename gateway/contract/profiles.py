@@ -112,6 +112,20 @@ class MaskProfile:
             return "ascend_backend", ASCEND_MESSAGE
         return None
 
+    def reasons(self) -> tuple[str, ...]:
+        """Every reason `refusal` can give (their metric series exist at 0 before the first
+        refusal), in the order it checks them."""
+        match self.family:
+            case Family.FINITE_TOP_K:
+                top_k: tuple[str, ...] = ("unbounded_top_k",)
+            case Family.TOP_P_OR_TOP_K:
+                top_k = ("unbounded_top_k_and_top_p",)
+            case Family.CAPPED | Family.STRICT:
+                top_k = ("unbounded_top_k", "top_k_above_cap")
+        if self.speculative:  # checked first: a speculative ascend backend never says ascend
+            return (*top_k, "speculative_decoding")
+        return (*top_k, "ascend_backend") if self.ascend else top_k
+
     def closeness(self) -> tuple[int, int, int]:
         """Orders refusing profiles by how near a client is to being served by one: a limit
         on top_k the client can meet beats a setting it cannot change, a larger cap beats a

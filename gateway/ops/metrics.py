@@ -35,6 +35,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from gateway import build
+from gateway.contract.policy import SAMPLING_MASK
 from gateway.contract.replies import Outcome
 from gateway.contract.routes import CONTROL_ROUTES
 from gateway.fleet.pool import BackendPool, Health
@@ -88,9 +89,36 @@ def _status_code(status: int) -> str:
     return _STATUS_CODES.get(status, "other")
 
 
-# The rules a refusal names (Exchange.rejected_by): their outcome series exist from the
-# start at 0, so `increase()` over a fresh process and absence alerts read a number.
-REJECTION_RULES: Final = ("auth", "control", "registry", "request_body", "sampling_mask")
+# Every refusal the gateway makes that holds for any backend, as (Exchange.rejected_by,
+# its reason): each rejections_total series (profile "") and each rule's outcome series
+# exist from the start at 0, so `increase()` over a fresh process and absence alerts read
+# a number. The mask refusals that depend on a backend's admission are exported per
+# profile as profiles become known (MaskProfile.reasons()). A test holds this table to the
+# Rejection(...) calls in the code.
+REJECTION_REASONS: Final = (
+    ("auth", "missing_key"),
+    ("auth", "malformed_key"),
+    ("auth", "invalid_key"),
+    ("control", "forbidden"),
+    ("parallel_sampling", "n_too_large"),
+    ("registry", "invalid"),
+    ("registry", "not_found"),
+    ("request_body", "invalid_json"),
+    ("request_body", "not_an_object"),
+    ("request_body", "invalid_field"),
+    ("request_body", "media_type"),
+    ("request_body", "charset"),
+    ("request_body", "content_encoding"),
+    ("request_body", "too_large"),
+    ("request_body", "body_timeout"),
+    ("request_body", "too_costly"),
+    ("request_body", "inspection_busy"),
+    (SAMPLING_MASK, "invalid_top_k"),
+    (SAMPLING_MASK, "parallel_mask_list"),
+    (SAMPLING_MASK, "missing_meta_info"),
+    (SAMPLING_MASK, "stream_meta_info"),
+)
+REJECTION_RULES: Final = tuple(sorted({rule for rule, _ in REJECTION_REASONS}))
 
 
 def render(registry: CollectorRegistry, accept: str | None) -> tuple[bytes, str]:
@@ -375,6 +403,11 @@ class Metrics(Collector):
                 self.outcomes.inc((outcome.value,), 0.0)
         for phase in ("waiting", "streaming"):
             self.client_disconnects.inc((phase,), 0.0)
+        for rule, reason in REJECTION_REASONS:
+            self.rejections.inc((rule, reason, ""), 0.0)
+            if rule == SAMPLING_MASK:  # the one policy that runs log_only
+                self.log_only_rejections.inc((rule, reason, ""), 0.0)
+        self._profiles: set[str] = set()  # whose mask reasons are exported
         self._pool = pool
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
@@ -393,6 +426,14 @@ class Metrics(Collector):
             for key in stale:
                 del counter.values[key]
         for b in self._pool.backends:
+            if b.profile.name not in self._profiles:
+                # Kept after its backends leave: a counter series does not vanish, and the
+                # profiles a fleet runs are few.
+                self._profiles.add(b.profile.name)
+                for reason in b.profile.reasons():
+                    key3 = (SAMPLING_MASK, reason, b.profile.name)
+                    self.rejections.inc(key3, 0.0)
+                    self.log_only_rejections.inc(key3, 0.0)
             key = (b.url,)
             self.upstream_attempts.inc(key, 0.0)
             for cause in _UPSTREAM_CAUSES:

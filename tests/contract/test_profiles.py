@@ -106,6 +106,22 @@ def test_truth_table(item: tuple[int, bool], expected: list[str | None]) -> None
     assert [g[1] if g else None for g in got] == expected
 
 
+def test_a_profile_names_every_reason_it_refuses_with() -> None:
+    """reasons() is what the metrics export at 0 for a profile before its first refusal:
+    exactly the reasons refusal() can give, every one of them."""
+    spec_strict = MaskProfile(Family.STRICT, 64, speculative=True, ascend=True)
+    for profile in [*PROFILES, spec_strict]:
+        given = set()
+        for top_k in (1, 2, 64, 65, 4096, 4097, ALL):
+            for below_one in (False, True):
+                refused = profile.refusal(MaskItem(top_k, below_one))
+                if refused is not None:
+                    given.add(refused[0])
+        # speculative / ascend are checked after top_k, so a served top_k shows them.
+        assert given == set(profile.reasons()), profile.name
+        assert len(profile.reasons()) == len(given), profile.name
+
+
 def test_the_0_5_20_message_is_sglangs() -> None:
     refused = V23.refusal(MaskItem(4097, False))
     assert refused == (

@@ -196,7 +196,8 @@ async def test_log_only_counts_what_enforce_would_refuse(
         )
         == 1.0
     )
-    assert not [k for k in m if k[0] == "sglang_gateway_rejections_total"]
+    # Nothing was refused: every refusal's series is there, at 0.
+    assert {v for k, v in m.items() if k[0] == "sglang_gateway_rejections_total"} == {0.0}
     line = record_for(access, "dry-1")
     assert line["outcome"] == "ok"
     assert line["log_only"] == "sampling_mask"
@@ -798,6 +799,131 @@ async def test_known_series_exist_at_zero_from_the_start(
     _, m = await scrape(session, gateway)
     assert sample(m, "sglang_gateway_request_outcomes_total", outcome="ok") == 1.0
     assert sample(m, "sglang_gateway_upstream_attempts_total", backend=stub.url) == 1.0
+
+
+# Every refusal the gateway makes that holds for any backend (profile ""), by policy and
+# reason, read off the code that makes them; the mask refusals that depend on a backend's
+# admission come per profile.
+REFUSALS = {
+    ("auth", "missing_key"),
+    ("auth", "malformed_key"),
+    ("auth", "invalid_key"),
+    ("control", "forbidden"),
+    ("registry", "invalid"),
+    ("registry", "not_found"),
+    ("parallel_sampling", "n_too_large"),
+    *(
+        ("request_body", r)
+        for r in (
+            "invalid_json",
+            "not_an_object",
+            "invalid_field",
+            "media_type",
+            "charset",
+            "content_encoding",
+            "too_large",
+            "body_timeout",
+            "too_costly",
+            "inspection_busy",
+        )
+    ),
+    *(
+        ("sampling_mask", r)
+        for r in ("invalid_top_k", "parallel_mask_list", "missing_meta_info", "stream_meta_info")
+    ),
+}
+
+
+def rejection_series(m: Samples, name: str) -> dict[tuple[str, str, str], float]:
+    return {
+        (d["policy"], d["reason"], d["profile"]): v
+        for (n, labels), v in m.items()
+        if n == name and (d := dict(labels))
+    }
+
+
+async def test_every_refusal_is_exported_at_zero_before_the_first(
+    make_gateway: GatewayFactory, session: aiohttp.ClientSession
+) -> None:
+    """rejections_total had no series before a refusal, so increase() and absence alerts
+    missed the first one. Every known policy and reason is there at 0, and each backend
+    profile's mask reasons as the profile becomes known."""
+    stubs = [
+        StubBackend(version="0.5.18"),
+        StubBackend(version="0.5.21", speculative_algorithm="EAGLE"),
+    ]
+    for stub in stubs:
+        await stub.start()
+    try:
+        gw = await make_gateway(*(s.url for s in stubs))
+        profiles = {"top_p_or_top_k", "capped:4096+speculative"}
+        await wait_for(lambda: {b.profile.name for b in gw.pool.backends} == profiles)
+        _, m = await scrape(session, gw)
+        rejections = rejection_series(m, "sglang_gateway_rejections_total")
+        assert set(rejections.values()) == {0.0}
+        assert {(p, r) for p, r, profile in rejections if profile == ""} == REFUSALS
+        by_profile = {(p, r, profile) for p, r, profile in rejections if profile in profiles}
+        assert by_profile == {
+            ("sampling_mask", "unbounded_top_k_and_top_p", "top_p_or_top_k"),
+            ("sampling_mask", "unbounded_top_k", "capped:4096+speculative"),
+            ("sampling_mask", "top_k_above_cap", "capped:4096+speculative"),
+            ("sampling_mask", "speculative_decoding", "capped:4096+speculative"),
+        }
+        log_only = rejection_series(m, "sglang_gateway_log_only_rejections_total")
+        assert set(log_only.values()) == {0.0}
+        assert {k for k in log_only if k[2]} == by_profile
+        outcomes = {
+            dict(labels)["outcome"]
+            for (n, labels), v in m.items()
+            if n == "sglang_gateway_request_outcomes_total"
+        }
+        assert {f"rejected:{p}" for p, _ in REFUSALS} <= outcomes
+        # The first refusal (by the backend closest to admitting it): a series that was at
+        # 0 reads 1.
+        await post(session, gw, "/generate", MASK_BODY)
+        _, m = await scrape(session, gw)
+        after = rejection_series(m, "sglang_gateway_rejections_total")
+        assert {k: v for k, v in after.items() if v} == {
+            ("sampling_mask", "unbounded_top_k_and_top_p", "top_p_or_top_k"): 1.0
+        }
+        assert set(after) == set(rejections)
+    finally:
+        for stub in stubs:
+            await stub.stop()
+
+
+def test_the_exported_refusals_are_every_refusal_the_code_makes() -> None:
+    """The table the metrics export at 0 against the source: every Rejection(status, rule,
+    reason, ...) with literal names, and the auth and registry reasons."""
+    import ast
+
+    from gateway.contract import policy
+    from gateway.ops.metrics import REJECTION_REASONS
+
+    made: set[tuple[str, str]] = set()
+    for path in (ROOT / "gateway").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "Rejection"
+                and len(node.args) >= 3
+                and isinstance(node.args[2], ast.Constant)
+            ):
+                rule = node.args[1]
+                name = rule.value if isinstance(rule, ast.Constant) else getattr(policy, rule.id)
+                made.add((name, node.args[2].value))
+    auth = ast.parse((ROOT / "gateway" / "edge" / "auth.py").read_text())
+    for node in ast.walk(auth):
+        if isinstance(node, ast.FunctionDef) and node.name == "check":
+            for ret in ast.walk(node):
+                value = ret.value if isinstance(ret, ast.Return) else None
+                if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                    made.add(("auth", value.value))
+    made |= {("registry", "invalid"), ("registry", "not_found")}  # gateway/edge/proxy.py
+    assert made - set(REJECTION_REASONS) == set()
+    assert set(REJECTION_REASONS) == REFUSALS
 
 
 async def test_openmetrics_when_the_scraper_asks(
