@@ -12,7 +12,8 @@
 #     (ci/NAME-values.yaml with --set-file configFile=config/NAME.yaml where that exists),
 #     every document validated as above;
 #   - in what is rendered: ephemeral-storage requests and limits and a securityContext without
-#     privilege escalation or capabilities on every container; one ConfigMap with the
+#     privilege escalation or capabilities on every container; Roles that grant only list
+#     and watch on EndpointSlices (what the gateway calls); one ConfigMap with the
 #     gateway's config, mounted by the gateway, whose gateway.yaml is config/<overlay>.yaml
 #     verbatim (for the chart: the file given to --set-file, and with its defaults the same
 #     effective config as config/ingress.yaml);
@@ -148,6 +149,21 @@ def check_containers(doc: dict, where: str) -> None:
             failures.append(f"{at}: privileged")
 
 
+# What gateway/edge/clients.py calls (KubernetesApi.list and .watch), and all a Role of
+# ours may grant: least privilege, and rbac.yaml says nothing else is granted.
+DISCOVERY_RULES = [
+    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]}
+]
+
+
+def check_rbac(doc: dict, where: str) -> None:
+    if doc["kind"] in ("Role", "ClusterRole") and doc.get("rules") != DISCOVERY_RULES:
+        failures.append(
+            f"{where}: grants {doc.get('rules')}; the gateway calls only list and watch on "
+            "discovery.k8s.io endpointslices"
+        )
+
+
 def check_render(
     text: str, label: str, expected_config: Path | None, versions: list[str] = versions
 ) -> list[dict]:
@@ -166,6 +182,7 @@ def check_render(
         where = f"{label}: {doc['kind']}/{doc['metadata'].get('name')}"
         validate(doc, where, versions)
         check_containers(doc, where)
+        check_rbac(doc, where)
 
     configs = [
         d for d in docs
