@@ -119,6 +119,22 @@ def test_example_configs_are_valid(capsys: pytest.CaptureFixture[str]) -> None:
         assert code == 0, (path, capsys.readouterr().err)
 
 
+def test_example_configs_name_the_namespace_the_manifests_use() -> None:
+    """The examples are copied next to the overlays and the chart: a Kubernetes namespace
+    they name (a Service's DNS name, backends.kubernetes.namespace, in effect or in a
+    comment) is the one the ingress overlay and the chart's README commands install into."""
+    overlay = yaml.safe_load(
+        (ROOT / "deploy/kubernetes/overlays/ingress/kustomization.yaml").read_text()
+    )
+    assert overlay["namespace"] == "sglang"
+    named = re.compile(r"\.([a-z0-9-]+)\.svc\.cluster\.local|namespace: ([a-z0-9-]+)")
+    found = {}
+    for path in sorted((ROOT / "config").glob("*.yaml")):
+        for m in named.finditer(path.read_text()):
+            found.setdefault(m.group(1) or m.group(2), []).append(path.name)
+    assert set(found) == {overlay["namespace"]}, found
+
+
 @pytest.mark.parametrize(
     ("yaml_text", "expected"),
     [
