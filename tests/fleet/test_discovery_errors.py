@@ -26,7 +26,7 @@ from gateway import config as config_mod
 from gateway.app import Gateway
 from gateway.config import ConfigError
 from gateway.edge.clients import KubernetesApi
-from gateway.fleet.discovery import KubernetesDiscovery
+from gateway.fleet.discovery import KubernetesDiscovery, api_message
 from gateway.testing.stub import StubBackend
 from tests.conftest import GatewayFactory, admin_url, wait_for
 from tests.fleet.kubeapi import SA_USER, FakeKubernetesApi
@@ -187,6 +187,36 @@ async def test_an_unaccepted_token_is_unauthorized_and_never_logged(
     token.write_text("sa-token-new\n")  # the projected token rotates: re-read on every call
     await wait_for(lambda: gw.readiness() == (True, "ok"), 10)
     assert "sa-token-new" not in caplog.text
+
+
+async def test_a_token_file_that_cannot_be_read_is_unauthorized(
+    make_gateway: GatewayFactory,
+    api: FakeKubernetesApi,
+    session: aiohttp.ClientSession,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger=DISCOVERY)
+    missing = tmp_path / "not-mounted" / "token"  # automountServiceAccountToken: false
+    gw = await kubernetes_gateway(make_gateway, api, missing)
+    await wait_for(lambda: "unauthorized" in gw.readiness()[1], 10)
+    assert api.lists == 0  # nothing to authenticate with: the call is not made
+    line = next(line for line in discovery_lines(caplog, logging.WARNING))
+    assert f"cannot read the token file {missing}" in line and "unauthorized" in line
+    assert (errors(await samples(session, gw), "kubernetes", "unauthorized") or 0) >= 1
+
+
+def test_the_apis_message_is_one_bounded_line_and_nothing_else_is_taken() -> None:
+    forged = "denied\n2026-01-01 INFO gateway: all fine\x1b[0m " + "x" * 5000
+    message = api_message({"kind": "Status", "code": 403, "message": forged})
+    assert "\n" not in message and "\x1b" not in message
+    assert len(message) == 300 and message.endswith("...")
+    assert message.startswith("denied 2026-01-01 INFO gateway: all fine")
+    # Only a Status object's message: never another body, nor another field.
+    assert api_message({"kind": "EndpointSliceList", "message": "x"}) == ""
+    assert api_message({"kind": "Status", "reason": "Forbidden"}) == ""
+    assert api_message(b"<html>403</html>") == ""
+    assert api_message({"kind": "Status", "message": "short"}) == "short"
 
 
 # -- 410: an expired watch is routine ----------------------------------------------------------
