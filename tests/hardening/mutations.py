@@ -750,6 +750,234 @@ MUTATIONS = [
             "tests/ops/test_shared_damage.py::test_a_change_that_cannot_be_shared_fails_says_so_and_the_workers_converge"
         ],
     ),
+    # -- issue 26: discovery errors, alerts and zero series (docs/hardening.md section 10)
+    (
+        "the API's Status message dropped from the log",
+        "gateway/fleet/discovery.py",
+        "        return cls(cause_of_status(status), verb, status, api_message(payload))",
+        '        return cls(cause_of_status(status), verb, status, "")',
+        [
+            "tests/fleet/test_discovery_errors.py::test_a_forbidden_list_names_the_user_and_the_missing_permission",
+        ],
+    ),
+    (
+        "a 403 read as any bad answer (no forbidden cause)",
+        "gateway/fleet/discovery.py",
+        "    if status == 403:\n        return FORBIDDEN\n",
+        "",
+        [
+            "tests/fleet/test_discovery_errors.py::test_a_forbidden_list_names_the_user_and_the_missing_permission"
+        ],
+    ),
+    (
+        "the API's message neither cut nor kept on one line",
+        "gateway/fleet/discovery.py",
+        '    text = " ".join("".join(c if c.isprintable() else " " for c in message[:1000]).split())\n    return text if len(text) <= MESSAGE_LIMIT else text[: MESSAGE_LIMIT - 3] + "..."',
+        "    return message",
+        [
+            "tests/fleet/test_discovery_errors.py::test_the_apis_message_is_one_bounded_line_and_nothing_else_is_taken"
+        ],
+    ),
+    (
+        "an unreadable token file counted as unreachable",
+        "gateway/edge/clients.py",
+        "                raise ApiError(\n                    UNAUTHORIZED, verb,",
+        "                raise ApiError(\n                    UNREACHABLE, verb,",
+        [
+            "tests/fleet/test_discovery_errors.py::test_a_token_file_that_cannot_be_read_is_unauthorized"
+        ],
+    ),
+    (
+        "no zero series for the causes a source can report",
+        ("gateway/ops/metrics.py", "gateway/fleet/discovery.py"),
+        (
+            "            by_cause = {**dict.fromkeys(d.causes, 0), **d.errors}",
+            "        self.errors = dict.fromkeys(self.causes, 0)",
+        ),
+        ("            by_cause = dict(d.errors)", "        self.errors = {}"),
+        [
+            "tests/fleet/test_discovery_errors.py::test_every_cause_of_the_configured_source_is_exported_at_zero"
+        ],
+    ),
+    (
+        "the failing gauge stuck at 0",
+        "gateway/ops/metrics.py",
+        "            failing.add_metric([d.name], 0.0 if d.failing is None else 1.0)",
+        "            failing.add_metric([d.name], 0.0)",
+        [
+            "tests/fleet/test_discovery_errors.py::test_an_api_server_that_goes_away_is_unreachable_until_it_comes_back"
+        ],
+    ),
+    (
+        "/readyz does not name the failing discovery",
+        "gateway/app.py",
+        "        failing = describe_failure(self.fleet.discovery)",
+        "        failing = None",
+        [
+            "tests/fleet/test_discovery_errors.py::test_an_unaccepted_token_is_unauthorized_and_never_logged"
+        ],
+    ),
+    (
+        "the supervisor's /readyz drops its workers' reasons",
+        "gateway/ops/supervisor.py",
+        "            reason += f\"; worker {', '.join(map(str, indexes))}: {text}\"",
+        "            pass",
+        [
+            "tests/ops/test_workers.py::test_the_supervisors_readyz_says_why_its_workers_are_not_ready"
+        ],
+    ),
+    (
+        "a 410 waits like a failure instead of relisting at once",
+        "gateway/fleet/discovery.py",
+        "            if error.cause == GONE and not self._gone_again:",
+        "            if False:",
+        [
+            "tests/fleet/test_discovery_errors.py::test_an_expired_watch_relists_at_once_logged_at_info_and_counted"
+        ],
+    ),
+    (
+        "410 after 410 relisted in a tight loop",
+        "gateway/fleet/discovery.py",
+        "            if error.cause == GONE and not self._gone_again:",
+        "            if error.cause == GONE:",
+        [
+            "tests/fleet/test_discovery_errors.py::test_retries_back_off_exponentially_with_jitter_up_to_the_cap"
+        ],
+    ),
+    (
+        "retries not exponential",
+        "gateway/fleet/discovery.py",
+        "        step = min(self._retry_max, self._retry_base * 2.0 ** min(streak - 1, 60))",
+        "        step = min(self._retry_max, self._retry_base)",
+        [
+            "tests/fleet/test_discovery_errors.py::test_retries_back_off_exponentially_with_jitter_up_to_the_cap"
+        ],
+    ),
+    (
+        "retries not capped",
+        "gateway/fleet/discovery.py",
+        "        step = min(self._retry_max, self._retry_base * 2.0 ** min(streak - 1, 60))",
+        "        step = self._retry_base * 2.0 ** min(streak - 1, 60)",
+        [
+            "tests/fleet/test_discovery_errors.py::test_retries_back_off_exponentially_with_jitter_up_to_the_cap"
+        ],
+    ),
+    (
+        "retries without jitter",
+        "gateway/fleet/discovery.py",
+        "        return step / 2 + self._jitter() * step / 2",
+        "        return step",
+        [
+            "tests/fleet/test_discovery_errors.py::test_retries_back_off_exponentially_with_jitter_up_to_the_cap"
+        ],
+    ),
+    (
+        "a working watch does not reset the backoff",
+        "gateway/fleet/discovery.py",
+        '                self._worked()\n                name = (item.get("metadata") or {}).get("name")',
+        '                name = (item.get("metadata") or {}).get("name")',
+        [
+            "tests/fleet/test_discovery_errors.py::test_retries_back_off_exponentially_with_jitter_up_to_the_cap"
+        ],
+    ),
+    (
+        "a malformed list item ends the discovery task",
+        "gateway/fleet/discovery.py",
+        "            except (ValueError, KeyError, TypeError, AttributeError) as exc:",
+        "            except (ValueError, KeyError) as exc:",
+        [
+            "tests/fleet/test_discovery_errors.py::test_a_malformed_list_is_a_bad_response_and_discovery_keeps_asking"
+        ],
+    ),
+    (
+        "DNS: no such name counted as unreachable",
+        "gateway/fleet/discovery.py",
+        "            cause = EMPTY if exc.errno in _NO_NAME else UNREACHABLE",
+        "            cause = UNREACHABLE",
+        [
+            "tests/fleet/test_discovery_errors.py::test_dns_failures_carry_a_cause_in_the_log_the_metrics_and_readyz"
+        ],
+    ),
+    (
+        "DNS: an answer that is not an address taken as a backend",
+        "gateway/fleet/discovery.py",
+        "            ips = [str(ipaddress.ip_address(a)) for a in addresses]",
+        "            ips = list(addresses)",
+        [
+            "tests/fleet/test_discovery_errors.py::test_dns_failures_carry_a_cause_in_the_log_the_metrics_and_readyz"
+        ],
+    ),
+    (
+        "every ejection counted as a flap (a dead backend flaps again and again)",
+        "gateway/fleet/pool.py",
+        "            if b.recovered:\n                b.flaps += 1",
+        "            if True:\n                b.flaps += 1",
+        [
+            "tests/fleet/test_flapping.py::test_a_dead_backend_is_ejected_again_and_again_but_flaps_once"
+        ],
+    ),
+    (
+        "a passing probe is no proof of life (a flapping backend never flaps)",
+        "gateway/fleet/pool.py",
+        "    def probe_ok(self, b: Backend) -> None:\n        b.recovered = True\n",
+        "    def probe_ok(self, b: Backend) -> None:\n",
+        [
+            "tests/fleet/test_flapping.py::test_a_backend_that_passes_probes_but_fails_requests_flaps"
+        ],
+    ),
+    (
+        "EjectionFlapping counts every ejection again",
+        "deploy/monitoring/rules.yaml",
+        "            increase(sglang_gateway_backend_flaps_total[15m])",
+        "            increase(sglang_gateway_backend_ejections_total[15m])",
+        ["tests/ops/test_monitoring.py::test_rules_unit_tests_pass"],
+    ),
+    (
+        "DiscoveryDenied alerts on a routine restart (unreachable, gone)",
+        "deploy/monitoring/rules.yaml",
+        '{cause=~"unauthorized|forbidden"}',
+        '{cause=~"unauthorized|forbidden|unreachable|gone"}',
+        ["tests/ops/test_monitoring.py::test_rules_unit_tests_pass"],
+    ),
+    (
+        "DiscoveryFailing without its 10 minutes",
+        "deploy/monitoring/rules.yaml",
+        "        for: 10m\n",
+        "",
+        ["tests/ops/test_monitoring.py::test_rules_unit_tests_pass"],
+    ),
+    (
+        "no zero series for the refusals every backend shares",
+        "gateway/ops/metrics.py",
+        '        for rule, reason in REJECTION_REASONS:\n            self.rejections.inc((rule, reason, ""), 0.0)',
+        '        for rule, reason in ():\n            self.rejections.inc((rule, reason, ""), 0.0)',
+        [
+            "tests/ops/test_observability.py::test_every_refusal_is_exported_at_zero_before_the_first"
+        ],
+    ),
+    (
+        "no zero series for a profile's mask refusals",
+        "gateway/ops/metrics.py",
+        "                for reason in b.profile.reasons():",
+        "                for reason in ():",
+        [
+            "tests/ops/test_observability.py::test_every_refusal_is_exported_at_zero_before_the_first"
+        ],
+    ),
+    (
+        "a profile forgets a reason it refuses with",
+        "gateway/contract/profiles.py",
+        '            case Family.CAPPED | Family.STRICT:\n                top_k = ("unbounded_top_k", "top_k_above_cap")',
+        '            case Family.CAPPED | Family.STRICT:\n                top_k = ("unbounded_top_k",)',
+        ["tests/contract/test_profiles.py::test_a_profile_names_every_reason_it_refuses_with"],
+    ),
+    (
+        "an example config names another namespace",
+        "config/dns.yaml",
+        "    name: sglang-workers.sglang.svc.cluster.local",
+        "    name: sglang-workers.llm.svc.cluster.local",
+        ["tests/test_cli.py::test_example_configs_name_the_namespace_the_manifests_use"],
+    ),
 ]
 
 
@@ -758,7 +986,7 @@ def main(argv: list[str]) -> int:
     survived = 0
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp)
-        for part in ("gateway", "tests", "config", "pyproject.toml"):
+        for part in ("gateway", "tests", "config", "deploy", "pyproject.toml"):
             src = ROOT / part
             if src.is_dir():
                 shutil.copytree(src, copy / part, ignore=shutil.ignore_patterns("__pycache__"))
