@@ -100,6 +100,7 @@ REJECTION_REASONS: Final = (
     ("auth", "malformed_key"),
     ("auth", "invalid_key"),
     ("control", "forbidden"),
+    ("control", "not_addressable"),
     ("parallel_sampling", "n_too_large"),
     ("registry", "invalid"),
     ("registry", "not_found"),

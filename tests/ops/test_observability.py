@@ -809,6 +809,7 @@ REFUSALS = {
     ("auth", "malformed_key"),
     ("auth", "invalid_key"),
     ("control", "forbidden"),
+    ("control", "not_addressable"),
     ("registry", "invalid"),
     ("registry", "not_found"),
     ("parallel_sampling", "n_too_large"),
