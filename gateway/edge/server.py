@@ -40,7 +40,7 @@ from typing import Final, NamedTuple, cast
 import httptools
 from multidict import CIMultiDict
 
-from gateway.contract import replies
+from gateway.contract import replies, scan
 from gateway.contract.routes import Family
 from gateway.edge.headers import SERVER
 from gateway.ops.redact import describe
@@ -212,9 +212,15 @@ class Request:
     def body_complete(self) -> bool:
         return self._complete
 
+    @property
+    def body_joins_at_once(self) -> bool:
+        """The body read so far is one piece, or few enough bytes to join on the loop."""
+        return len(self._chunks) <= 1 or self._size < scan.JOIN_IN_THREAD
+
     def take_body(self) -> bytes:
         """The body read so far (all of it once body_complete); BodyTooLarge if it grew
-        past the listener's limit."""
+        past the listener's limit. It is joined on the loop: read_body joins a large one
+        off it."""
         if self._overflow:
             raise BodyTooLarge
         chunks = self._chunks
@@ -237,7 +243,12 @@ class Request:
                 self._waiter = None
         if self._overflow:
             raise BodyTooLarge
-        return self.take_body()
+        if self.body_joins_at_once:
+            return self.take_body()
+        # Nothing is added to a complete body: the thread joins exactly these pieces.
+        body = await scan.join(self._chunks)
+        self._chunks = [body]
+        return body
 
     def _add(self, data: bytes) -> None:
         if self._overflow:
