@@ -39,6 +39,9 @@ JOIN_IN_THREAD: Final = 8 << 20
 # Bytes looked at one by one before a strip goes over to copied slices.
 _STEPPED: Final = 64
 
+# JSON's blanks, for run_end.
+BLANKS: Final = re.compile(rb"[ \t\r\n]*")
+
 
 async def pause() -> None:
     """One turn of the event loop: ready callbacks run and I/O is polled before this

@@ -69,7 +69,6 @@ _RUN_WINDOW: Final = 64 << 10
 _STRETCHES_PER_YIELD: Final = 2048
 _MAX_SHORT_STRETCHES: Final = 100_000
 _STRUCTURAL_BYTES: Final = (b"[", b"]", b"{", b"}", b'"')
-_BLANKS_RUN: Final = re.compile(rb"[ \t\r\n]*")
 _SCALAR_END: Final = re.compile(rb"[,}\] \t\r\n]")
 _ALL_BLANKS_TO_SPACE: Final = bytes.maketrans(b"\t\r\n", b"   ")
 # zero -> z, other digits -> d; then z -> d.
@@ -113,7 +112,7 @@ async def _skip_blanks(body: bytes, pos: int) -> int:
     """The index of the first byte from `pos` on that is not a blank, or len(body)."""
     if pos >= len(body) or body[pos] not in _BLANKS:
         return pos
-    return await scan.run_end(_BLANKS_RUN, body, pos)
+    return await scan.run_end(scan.BLANKS, body, pos)
 
 
 class _Scanner:

@@ -1,5 +1,5 @@
-"""The skim's sliced scans (gateway/contract/scan.py) answer exactly as one call over the
-whole body did.
+"""The sliced scans of large bodies (gateway/contract/scan.py) answer exactly as one call
+over the whole body did.
 
 Issue 26 cut every scan of the skim into slices with a pause between them, so that no step
 holds the event loop for long. The rule must stay exactly as strict: `_reference_skim`
@@ -21,6 +21,8 @@ import pytest
 
 from gateway.contract import scan
 from gateway.contract import skim as sk
+from gateway.contract.inspection import may_hold_mask_key, may_hold_mask_key_sliced
+from gateway.edge import budget
 
 SHAPE = frozenset({"input_ids", "input_embeds"})
 _STRING_STOP = re.compile(rb'["\\]')
@@ -399,3 +401,24 @@ async def test_a_long_find_pauses_between_slices() -> None:
     assert await scan.find(body, b"b", 0) == len(body) - 1
     ticker.cancel()
     assert turns >= 3
+
+
+async def test_the_sliced_key_search_and_cost_answer_as_one_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """inspect_large's own scans of a large body: the mask-key search and the budget's
+    count, each against the one-call function it stands for."""
+    rng = random.Random(11)
+    monkeypatch.setattr(budget, "_FLAT_BELOW", 8)
+    spellings = [b"return_sampling_mask", b"return_sampling_mas", b"\\u0072eturn", b"\\\\u"]
+    for i in range(3000):
+        if i % 25 == 0:
+            _shrink_slices(monkeypatch, rng)
+        parts = [_pieces(rng) for _ in range(rng.randrange(1, 4))]
+        for _ in range(rng.randrange(0, 3)):
+            parts.insert(rng.randrange(len(parts) + 1), rng.choice(spellings))
+        if rng.random() < 0.3:
+            parts.insert(0, b"\\n" * rng.randrange(60, 70))  # about the walk's 64 escapes
+        body = b"".join(parts)
+        assert await may_hold_mask_key_sliced(body) is may_hold_mask_key(body), body
+        assert await budget.parse_cost_sliced(body) == budget.parse_cost(body), body
