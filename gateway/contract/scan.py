@@ -11,8 +11,8 @@ bodies"). Each function here returns exactly what the one call it stands for ret
 - `rstrip_end` strips a copy of one slice at a time, from the end.
 
 Slices are sized so that each costs about a millisecond on the 2-core development VM,
-the slowest machine the gateway is measured on; a pause is one turn of the loop (it polls
-for I/O once), about 20 us under uvloop.
+the slowest machine the gateway is measured on, with two large bodies scanned at once; a
+pause is one turn of the loop (it polls for I/O once), about 20 us under uvloop.
 """
 
 from __future__ import annotations
@@ -21,12 +21,14 @@ import asyncio
 import re
 from typing import Final
 
-# memchr: about 11 GB/s, so a 16 MiB slice costs about 1.5 ms.
-FIND_SLICE: Final = 16 << 20
+# memchr: 11 GB/s over a body in the cache, 3 GB/s or less over two 64 MiB bodies at
+# once on a busy machine (a search over 16 MiB then took 5 ms).
+FIND_SLICE: Final = 2 << 20
 # Counting a byte that is dense in the body (commas in token ids): about 1.6 GB/s.
 COUNT_SLICE: Final = 2 << 20
-# A one-byte regex class, or a greedy run of one: about 0.4 GB/s.
-CLASS_SLICE: Final = 512 << 10
+# A one-byte regex class, or a greedy run of one: about 0.4 GB/s (0.15 GB/s with two
+# bodies at once on a busy machine).
+CLASS_SLICE: Final = 256 << 10
 # A multi-byte needle (two-way search): about 2.8 GB/s.
 SUBSTRING_SLICE: Final = 4 << 20
 # Slices copied to be stripped, or to become part of a new body (memcpy, with the GIL).
