@@ -20,6 +20,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from gateway import config as config_mod
+from gateway import runtime
+from gateway.app import Gateway
+from gateway.edge import server
 from gateway.edge.budget import InspectionBudget, TooCostly, parse_cost
 from tests.conftest import (
     GatewayFactory,
@@ -124,6 +128,65 @@ async def test_a_64_mib_body_never_stalls_the_loop_for_long(make_gateway: Gatewa
     finally:
         stub.kill()
         await stub.wait()
+
+
+def test_a_fast_upload_is_read_a_mebibyte_a_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """libuv reads up to 32 times 256 KiB in a row from a client that keeps sending, each
+    read copied three times on its way into the body; the listener lets the loop turn
+    after each MiB (gateway/edge/server.py, _READ_PER_TURN). On uvloop, the loop the
+    gateway runs on: asyncio's own reads once per turn."""
+    per_turn = [0]
+    most = [0]
+    received = server._Connection.data_received
+
+    def counting(self: server._Connection, data: bytes) -> None:
+        per_turn[0] += len(data)
+        received(self, data)
+
+    monkeypatch.setattr(server._Connection, "data_received", counting)
+
+    async def upload() -> None:
+        stub, stub_url = await start_stub_process()
+        gw = Gateway(
+            config_mod.build(
+                {
+                    "listen": {"host": "127.0.0.1", "port": 0},
+                    "admin": {"host": "127.0.0.1", "port": 0},
+                    "backends": {"static": [stub_url], "health": {"enabled": False}},
+                }
+            )
+        )
+        try:
+            await gw.start()
+            body = dense_body(16 * MIB)
+            head = (
+                b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
+            )
+            reply: list[bytes] = []
+
+            def client() -> None:
+                with socket.create_connection(("127.0.0.1", gw.port), timeout=60) as sock:
+                    sock.sendall(head + body)
+                    while chunk := sock.recv(65536):
+                        reply.append(chunk)
+
+            thread = threading.Thread(target=client)
+            thread.start()
+            while thread.is_alive():
+                most[0] = max(most[0], per_turn[0])
+                per_turn[0] = 0
+                await asyncio.sleep(0)
+            thread.join()
+            assert b"".join(reply).startswith(b"HTTP/1.1 200 ")
+        finally:
+            await gw.stop()
+            stub.kill()
+            await stub.wait()
+
+    runtime.run(upload())
+    # The limit, plus the read that crossed it.
+    assert most[0] <= MIB + (256 << 10), f"{most[0] / MIB:.2f} MiB read in one turn"
 
 
 async def test_a_body_too_costly_to_inspect_is_413_and_a_busy_budget_503(
