@@ -13,6 +13,7 @@ the thread waited for a core.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import threading
@@ -80,7 +81,7 @@ async def two_large_bodies_at_once() -> LoopTurns:
 def main() -> None:
     runtime.tune_malloc()
     turns = runtime.run(two_large_bodies_at_once())
-    print(json.dumps({"worst_cpu": turns.worst_cpu, "worst_wall": turns.worst_wall}))
+    print(json.dumps(dataclasses.asdict(turns)))
 
 
 if __name__ == "__main__":
