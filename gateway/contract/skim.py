@@ -48,7 +48,7 @@ _SLICE: Final = 256 << 10
 # Structural steps the scanner takes over one body before it gives up, and between two
 # pauses (a step costs a few microseconds).
 _MAX_STEPS: Final = 100_000
-_STEPS_PER_PAUSE: Final = 1024
+_STEPS_PER_PAUSE: Final = 256
 # Escapes walked inside one string between two pauses.
 _ESCAPES_PER_PAUSE: Final = 2048
 
@@ -124,6 +124,7 @@ class _Scanner:
         # the two: each byte is searched for over the body about once, where a search per
         # member went to the end of the body for every one (quadratic in members).
         self._next: dict[bytes, tuple[int, int]] = {}
+        self.times: Counter[str] = Counter()  # members per top-level key
 
     def step(self) -> bool:
         """Count a step; True when it is time to pause."""
@@ -233,6 +234,7 @@ class _Scanner:
             start = await _skip_blanks(body, pos + 1)
             end = await self.value_end(start)
             members.append((key, start, end))
+            self.times[key] += 1
             pos = await _skip_blanks(body, end)
             sep = body[pos : pos + 1]
             if sep == b"}":
@@ -386,12 +388,14 @@ async def skim(body: bytes, shape_only: frozenset[str]) -> Skimmed | None:
         members = await scanner.top_level()
     except _GiveUp:
         return None
-    times = Counter(key for key, _, _ in members)
+    times = scanner.times
     pieces: list[bytes] = []
     last = 0
     reduced_at = 0  # length of the reduced body so far
     result = Skimmed(b"")
-    for key, start, end in members:
+    for i, (key, start, end) in enumerate(members, 1):
+        if i % _STEPS_PER_PAUSE == 0:
+            await scan.pause()  # up to _MAX_STEPS members: 10 ms to go through
         if key not in shape_only or body[start : start + 1] != b"[":
             continue
         if times[key] > 1 or await scan.find(body, b'"', start, end) >= 0:
