@@ -2,15 +2,22 @@
 inspection budget, then the contract's parse and policy.
 
 The contract's reading (gateway/contract/inspection.py) is pure and synchronous; this adds
-what a server needs around it for large bodies: yielding to the loop while a run is checked
-(gateway/contract/skim.py) and waiting for memory (gateway/edge/budget.py).
+what a server needs around it for large bodies: yielding to the loop while they are scanned
+(gateway/contract/skim.py, gateway/contract/scan.py) and waiting for memory
+(gateway/edge/budget.py). What is left in one step is the parse itself (one call into
+simdjson or orjson, which hold the GIL), of the reduced body where the skim shrank it.
 """
 
 from __future__ import annotations
 
 from typing import Final
 
-from gateway.contract.inspection import ORJSON_SENSITIVE, may_hold_mask_key, parse_object
+from gateway.contract import scan
+from gateway.contract.inspection import (
+    ORJSON_SENSITIVE,
+    may_hold_mask_key_sliced,
+    parse_object,
+)
 from gateway.contract.policy import (
     READS,
     SHAPE_ONLY,
@@ -21,7 +28,7 @@ from gateway.contract.policy import (
 )
 from gateway.contract.routes import Kind
 from gateway.contract.skim import skim
-from gateway.edge.budget import InspectionBudget, TooCostly, parse_cost
+from gateway.edge.budget import InspectionBudget, TooCostly, parse_cost_sliced
 
 INSPECTION_BUSY: Final = "The gateway is busy inspecting other large requests; retry later."
 
@@ -39,16 +46,18 @@ async def inspect_large(
     """inspect_body for any size: long integer arrays in shape-only fields are validated
     without being parsed (gateway/contract/skim.py), and the parse waits for its share of the
     inspection budget (gateway/edge/budget.py)."""
-    if skip_parse_without_key and not may_hold_mask_key(body):
+    if skip_parse_without_key and not await may_hold_mask_key_sliced(body):
         return None
     # orjson's own verdict is needed on bodies it may refuse (see ORJSON_SENSITIVE). A route
     # that reads no shape-only field (chat, completions) has nothing to skim: walking a
     # 1 MB chat body's strings cost ten times its parse.
     reads = READS[kind]
     skimmable = reads is None or not SHAPE_ONLY.isdisjoint(reads)
-    sensitive = ORJSON_SENSITIVE.match(body)
+    # Matched past the leading blanks, found a slice at a time: the pattern's own match
+    # would run over all of them (the same answer: what follows them must be `{`).
+    sensitive = ORJSON_SENSITIVE.match(body, await scan.run_end(scan.BLANKS, body, 0))
     skimmed = await skim(body, SHAPE_ONLY) if skimmable and not sensitive else None
-    cost = parse_cost(skimmed.body if skimmed is not None else body)
+    cost = await parse_cost_sliced(skimmed.body if skimmed is not None else body)
     try:
         granted = await budget.acquire(cost, wait_s)
     except TooCostly:

@@ -615,9 +615,10 @@ class Proxy:
             # Sent only once the declared size passed the cap, so an oversized upload is
             # refused before the client transmits it.
             request.send_continue()
-        if request.body_complete:
+        if request.body_complete and request.body_joins_at_once:
             # The whole body came with the headers (most requests): take it without arming
-            # a deadline timer, which costs more than the rest of the read.
+            # a deadline timer, which costs more than the rest of the read. (A large body
+            # that is all there already is joined by read_body, off the loop.)
             body = request.take_body()
             if len(body) > settings.max_body:
                 raise BodyTooLarge

@@ -262,7 +262,9 @@ class Upstream:
             transport = proto.transport
             assert transport is not None
             if body and len(body) > _JOIN_MAX:
-                transport.writelines((head, body))  # sent without a copy of the body
+                # Sent without a copy of the body under uvloop, a writev per turn of what
+                # the socket takes (asyncio's own loop joins them on Python 3.11).
+                transport.writelines((head, body))
             else:
                 transport.write(head + body if body else head)
             if total_s is not None:

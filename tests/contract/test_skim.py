@@ -11,6 +11,7 @@ and objects inside, duplicated keys.
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 from typing import Any
 
@@ -23,6 +24,7 @@ from gateway.contract.routes import Kind
 from gateway.contract.skim import SKIM_MIN_BODY, _valid_slice, skim
 from gateway.edge.admission import inspect_large
 from gateway.edge.budget import InspectionBudget
+from tests.hardening.checks import loop_turns
 
 POLICY = AdmissionRules(samples=ParallelSampleCap(1024))
 KINDS = [Kind.GENERATE, Kind.VERTEX, Kind.CHAT, Kind.COMPLETIONS, Kind.RESPONSES]
@@ -199,6 +201,55 @@ async def test_skim_yields_to_the_loop() -> None:
     await ticker
     assert result is not None and result.extra_elements == {"input_ids": 8 << 20}
     assert len(gaps) > 10  # other tasks ran while 16 MiB were checked
+
+
+MIB = 1 << 20
+_TAIL = b', "sampling_params": {"top_k": 2}}'
+# Shapes that held the loop in one step before issue 26, and for how long (CPU time on the
+# 2-core development VM): a scan of a dense run, Python loops over blanks, a structure or a
+# string walked without a pause.
+_SHAPES = {
+    "dense ids, 32 MiB (80 ms)": b'{"input_ids": [' + b"1," * (16 * MIB) + b"1]" + _TAIL,
+    "ids then 8 MiB of blanks (1.1 s)": b'{"input_ids": ['
+    + b"1," * (4 * MIB)
+    + b"1"
+    + b" " * (8 * MIB)
+    + b"]"
+    + _TAIL,
+    "8 MiB of blanks then ids (0.7 s)": b'{"input_ids": ['
+    + b" " * (8 * MIB)
+    + b"1," * (4 * MIB)
+    + b"1]"
+    + _TAIL,
+    "16 MiB of blanks between members (0.8 s)": b'{"x": 1,'
+    + b" " * (16 * MIB)
+    + b'"input_ids": [1]}',
+    "nested [[1],...] (120 ms)": b'{"input_ids": [' + b"[1]," * (4 * MIB) + b"[1]]" + _TAIL,
+    "a 16 MiB prompt (100 ms)": b'{"text": "' + b"a" * (16 * MIB) + b'"' + _TAIL,
+    "a 16 MiB number (60 ms)": b'{"input_ids": [1,' + b"1" * (16 * MIB) + b"]" + _TAIL,
+    "30,000 duplicate keys (12 s)": b"{"
+    + b'"input_ids": [1],' * 30_000
+    + b'"x": "'
+    + b"a" * MIB
+    + b'"}',
+}
+
+
+@pytest.mark.parametrize("shape", list(_SHAPES))
+async def test_no_step_of_the_skim_holds_the_loop_for_long(shape: str) -> None:
+    """Each of these held the loop for the time in its name in one step; now the skim
+    pauses every millisecond or so. The bound leaves room for a slower machine."""
+    body = _SHAPES[shape]
+    # A collection of the test process's own objects (10 ms and more in a full run) is no
+    # step of the skim.
+    gc.collect()
+    gc.disable()
+    try:
+        async with loop_turns() as turns:
+            await skim(body, SHAPE)
+    finally:
+        gc.enable()
+    assert turns.worst_cpu < 0.025, f"{turns}"
 
 
 def test_integers_orjson_reads_as_floats_are_left_to_the_parser() -> None:

@@ -978,6 +978,47 @@ MUTATIONS = [
         "    name: sglang-workers.llm.svc.cluster.local",
         ["tests/test_cli.py::test_example_configs_name_the_namespace_the_manifests_use"],
     ),
+    # -- Hardening III (issue 26): loop stalls with large bodies ------------------------------
+    (
+        "large-body scans never pause for the loop",
+        "gateway/contract/scan.py",
+        '    coroutine goes on."""\n    await asyncio.sleep(0)\n',
+        '    coroutine goes on."""\n',
+        [
+            "tests/hardening/test_inspection_memory.py::test_two_64_mib_bodies_at_once_never_stall_the_loop_for_long",
+            "tests/contract/test_skim.py::test_no_step_of_the_skim_holds_the_loop_for_long",
+        ],
+    ),
+    (
+        "a large body joined on the loop",
+        "gateway/contract/scan.py",
+        "JOIN_IN_THREAD: Final = 8 << 20",
+        "JOIN_IN_THREAD: Final = 8 << 40",
+        [
+            "tests/hardening/test_inspection_memory.py::test_two_64_mib_bodies_at_once_never_stall_the_loop_for_long"
+        ],
+    ),
+    (
+        "a fast upload read whole in one turn",
+        "gateway/edge/server.py",
+        "_READ_PER_TURN: Final = 1 << 20",
+        "_READ_PER_TURN: Final = 1 << 40",
+        ["tests/hardening/test_inspection_memory.py::test_a_fast_upload_is_read_a_mebibyte_a_turn"],
+    ),
+    (
+        "a stretch search loses a sign at a window's seam",
+        "gateway/contract/skim.py",
+        "            at = stop - 1 if stop < end and body[stop - 1] == 0x2D else stop  # '-'",
+        "            at = stop",
+        ["tests/contract/test_skim_slices.py::test_the_sliced_skim_answers_as_the_skim_before_it"],
+    ),
+    (
+        "a long slice judged by a shorter last element",
+        "gateway/contract/skim.py",
+        "_LONGEST_LAST_ELEMENT: Final = 8 + 20",
+        "_LONGEST_LAST_ELEMENT: Final = 8 + 10",
+        ["tests/contract/test_skim_slices.py::test_long_slices_are_judged_as_whole_ones"],
+    ),
 ]
 
 

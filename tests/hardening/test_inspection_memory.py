@@ -6,36 +6,42 @@ bodies of 64 MiB, one and two at once. Before gateway/contract/skim.py one such 
 gateway from 54 MiB to a 950 MiB peak and two passed 1 GiB, the sidecar manifest's limit.
 The formula (docs/hardening.md, "Memory per request"): about 2 x the body while it is read
 and forwarded, plus the parse of what is left after the skim, charged to the budget.
+
+Hardening III (issue 26): the loop's longest turn while two such bodies are inspected at
+once, in CPU time of the loop's thread (tests/hardening/loop_probe.py), and the listener's
+reads of a fast upload, a MiB per turn.
 """
 
 from __future__ import annotations
 
 import asyncio
 import io
+import json
 import socket
 import threading
-import time
 from pathlib import Path
 
 import aiohttp
 import pytest
 
+from gateway import config as config_mod
+from gateway import runtime
+from gateway.app import Gateway
+from gateway.edge import server
 from gateway.edge.budget import InspectionBudget, TooCostly, parse_cost
 from tests.conftest import (
     GatewayFactory,
     gateway_process,
     gw_url,
     process_config,
+    spawn,
     start_stub_process,
 )
+from tests.hardening.checks import LoopTurns
+from tests.hardening.loop_probe import dense_body
 
 MIB = 1 << 20
 SIDECAR_LIMIT = 1024 * MIB  # deploy/kubernetes/overlays/sidecar/deployment-patch.yaml
-
-
-def dense_body(size: int) -> bytes:
-    head, tail = b'{"input_ids": [', b'1], "sampling_params": {"top_k": 2}}'
-    return head + b"1," * ((size - len(head) - len(tail)) // 2) + tail
 
 
 def _status_kib(pid: int, field: str) -> int:
@@ -83,47 +89,82 @@ async def test_peak_memory_of_64_mib_token_bodies_with_the_shipped_limits(
     assert peak < SIDECAR_LIMIT
 
 
-async def test_a_64_mib_body_never_stalls_the_loop_for_long(make_gateway: GatewayFactory) -> None:
-    """The loop keeps turning while one large body is read, skimmed, parsed and forwarded.
+async def test_two_64_mib_bodies_at_once_never_stall_the_loop_for_long() -> None:
+    """The loop keeps turning while two large bodies are read, joined, skimmed, parsed and
+    forwarded at once (issue 26, finding 8: one turn took 240 ms of them).
 
-    The client writes from a thread and the stub runs in its own process, so the only work
-    on this loop is the gateway's."""
-    stub, stub_url = await start_stub_process()
-    try:
-        gw = await make_gateway(stub_url, backends={"health": {"enabled": False}})
-        body = dense_body(64 * MIB - 4096)
-        request = (
-            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
+    Measured in CPU time of the loop's thread, in a gateway process of its own
+    (tests/hardening/loop_probe.py): on a loaded machine the wall clock also counts the time
+    the thread waited for a core (issue 24: 860 ms against a 500 ms bound, with nothing
+    slower in the gateway)."""
+    probe = await spawn("tests.hardening.loop_probe", stdout=asyncio.subprocess.PIPE)
+    out, _ = await probe.communicate()
+    assert probe.returncode == 0
+    turns = LoopTurns(**json.loads(out))
+    # Each read, scan and copy of a body is sliced with the loop turning between slices,
+    # and the join runs in a thread: 5-14 ms in the worst tick of a run on the 2-core VM
+    # (docs/hardening.md, "Loop stall with large bodies"). The join on the loop alone
+    # takes 50 ms, the skim without its pauses 500.
+    assert turns.worst_cpu < 0.025, f"{turns}"
+
+
+def test_a_fast_upload_is_read_a_mebibyte_a_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """libuv reads up to 32 times 256 KiB in a row from a client that keeps sending, each
+    read copied three times on its way into the body; the listener lets the loop turn
+    after each MiB (gateway/edge/server.py, _READ_PER_TURN). On uvloop, the loop the
+    gateway runs on: asyncio's own reads once per turn."""
+    per_turn = [0]
+    most = [0]
+    received = server._Connection.data_received
+
+    def counting(self: server._Connection, data: bytes) -> None:
+        per_turn[0] += len(data)
+        received(self, data)
+
+    monkeypatch.setattr(server._Connection, "data_received", counting)
+
+    async def upload() -> None:
+        stub, stub_url = await start_stub_process()
+        gw = Gateway(
+            config_mod.build(
+                {
+                    "listen": {"host": "127.0.0.1", "port": 0},
+                    "admin": {"host": "127.0.0.1", "port": 0},
+                    "backends": {"static": [stub_url], "health": {"enabled": False}},
+                }
+            )
         )
-        reply: list[bytes] = []
+        try:
+            await gw.start()
+            body = dense_body(16 * MIB)
+            head = (
+                b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
+            )
+            reply: list[bytes] = []
 
-        def client() -> None:
-            with socket.create_connection(("127.0.0.1", gw.port), timeout=60) as sock:
-                sock.sendall(request)
-                sock.sendall(body)
-                while chunk := sock.recv(65536):
-                    reply.append(chunk)
+            def client() -> None:
+                with socket.create_connection(("127.0.0.1", gw.port), timeout=60) as sock:
+                    sock.sendall(head + body)
+                    while chunk := sock.recv(65536):
+                        reply.append(chunk)
 
-        loop = asyncio.get_running_loop()
-        worst = 0.0
-        thread = threading.Thread(target=client)
-        thread.start()
-        last = time.perf_counter()
-        while thread.is_alive():
-            await asyncio.sleep(0.001)
-            now = time.perf_counter()
-            worst = max(worst, now - last)
-            last = now
-        thread.join()
-        assert b"".join(reply).startswith(b"HTTP/1.1 200 ")
-        del loop
-        # Before the skim: 2.4 s in one parse. Now the longest single step is a scan of the
-        # body at C speed (about 50 ms here); the bound leaves room for a loaded machine.
-        assert worst < 0.5, f"the loop stalled for {worst * 1000:.0f} ms"
-    finally:
-        stub.kill()
-        await stub.wait()
+            thread = threading.Thread(target=client)
+            thread.start()
+            while thread.is_alive():
+                most[0] = max(most[0], per_turn[0])
+                per_turn[0] = 0
+                await asyncio.sleep(0)
+            thread.join()
+            assert b"".join(reply).startswith(b"HTTP/1.1 200 ")
+        finally:
+            await gw.stop()
+            stub.kill()
+            await stub.wait()
+
+    runtime.run(upload())
+    # The limit, plus the read that crossed it.
+    assert most[0] <= MIB + (256 << 10), f"{most[0] / MIB:.2f} MiB read in one turn"
 
 
 async def test_a_body_too_costly_to_inspect_is_413_and_a_busy_budget_503(
