@@ -26,6 +26,7 @@ import orjson
 from gateway.edge.auth import ApiKeys
 from gateway.edge.failures import ConnectFailed, UpstreamFailure, UpstreamTimeout
 from gateway.edge.upstream import Upstream, UpstreamResponse
+from gateway.fleet import engines
 from gateway.fleet.pool import BackendPool, worker_id
 from gateway.fleet.shared import Change
 
@@ -236,10 +237,10 @@ def log_action(route: str, caller: str, peer: str | None, results: Sequence[Back
 
 # What a successful call does to an engine's state, as the gateway tracks it.
 _STATE_CHANGES: Final = {
-    "/pause_generation": ("paused", True),
-    "/continue_generation": ("paused", False),
-    "/release_memory_occupation": ("asleep", True),
-    "/resume_memory_occupation": ("asleep", False),
+    "/pause_generation": (engines.PAUSED, True),
+    "/continue_generation": (engines.PAUSED, False),
+    "/release_memory_occupation": (engines.ASLEEP, True),
+    "/resume_memory_occupation": (engines.ASLEEP, False),
 }
 _WEIGHT_UPDATES: Final = frozenset(
     {
@@ -261,21 +262,12 @@ def apply_state(
     backends = [b for b in pool.backends if b.url in ok]
     change = _STATE_CHANGES.get(path)
     if change is not None:
-        field, value = change
-        for b in backends:
-            setattr(b, field, value)
-        if not value:
-            pool.wake_waiters()  # requests held for a paused or asleep fleet may go now
-        return Change(states={b.url: {field: value} for b in backends})
+        flag, value = change
+        return engines.hold(pool, backends, flag, value)
     version = _sent_version(body) if path in _WEIGHT_UPDATES else None
     if version is None or not backends:
         return Change()
-    for b in backends:
-        b.weight_version = version
-    pool.latest_version = version
-    return Change(
-        states={b.url: {"weight_version": version} for b in backends}, latest_version=version
-    )
+    return engines.serve(pool, {b.url: version for b in backends}, version)
 
 
 def updated_weights(target: str, results: Sequence[BackendResult]) -> list[str]:

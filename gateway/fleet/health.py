@@ -16,6 +16,7 @@ from typing import Protocol
 
 from gateway.config import HealthConfig
 from gateway.contract.profiles import ServerInfo
+from gateway.fleet import engines
 from gateway.fleet.pool import Backend, BackendPool, Health
 
 log = logging.getLogger("gateway.fleet.health")
@@ -95,9 +96,8 @@ class HealthChecker:
                 self._pool.learn(backend, info)
             if backend.weight_version is None:
                 # Learnt once, when it joins; later updates through the gateway set it.
-                backend.weight_version = await self._prober.weight_version(
-                    backend.url, self.cfg.timeout_s
-                )
+                version = await self._prober.weight_version(backend.url, self.cfg.timeout_s)
+                engines.joined(backend, version)
         else:
             self._pool.probe_failed(backend, result.why)
         return result.ok

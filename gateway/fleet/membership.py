@@ -9,11 +9,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
 from typing import Protocol
 
 from gateway.config import BackendsConfig, KubernetesConfig
 from gateway.contract.profiles import MaskProfile
+from gateway.fleet import engines
 from gateway.fleet.balancers import BALANCERS, Balancer
 from gateway.fleet.discovery import (
     Discovery,
@@ -24,7 +24,7 @@ from gateway.fleet.discovery import (
     StaticDiscovery,
 )
 from gateway.fleet.health import HealthChecker, Prober
-from gateway.fleet.pool import Backend, BackendPool, EjectionRules, PoolRules
+from gateway.fleet.pool import BackendPool, EjectionRules, PoolRules
 from gateway.fleet.registry import WorkerRegistry
 from gateway.fleet.shared import Change, Document, SharedState
 from gateway.runtime import Unstoppable
@@ -118,7 +118,7 @@ class Fleet:
         if self._health is not None:
             self._health.sync(self.pool.backends)
         if self._doc is not None and added:
-            self._apply_states(self._doc, added)
+            engines.adopt(self.pool, self._doc, added)
 
     def start(self, clients: FleetClients) -> None:
         self._clients = clients
@@ -170,27 +170,7 @@ class Fleet:
         members = doc.get("members")
         if self.registry is not None and isinstance(members, dict):
             self.registry.replace(members)
-        self._apply_states(doc)
-
-    def _apply_states(self, doc: Document, backends: Sequence[Backend] | None = None) -> None:
-        # Paused and asleep as the document says, absent meaning neither: what only this
-        # worker holds (a change it could not share) gives way, so every worker that took
-        # the same document routes alike. A weight version is also read from each engine
-        # by each worker, so only one the document names replaces it.
-        states = doc.get("backends") or {}
-        woke = False
-        for b in self.pool.backends if backends is None else backends:
-            st = states.get(b.url) or {}
-            held = b.paused or b.asleep
-            b.paused = st.get("paused", False)
-            b.asleep = st.get("asleep", False)
-            if isinstance(version := st.get("weight_version"), str):
-                b.weight_version = version
-            woke = woke or (held and not (b.paused or b.asleep))
-        if backends is None:
-            self.pool.latest_version = doc.get("latest_version")
-        if woke:
-            self.pool.wake_waiters()
+        engines.adopt(self.pool, doc)
 
     async def share(self, change: Change) -> None:
         """Hand a change this worker made to its siblings (nothing to do when alone). The
@@ -209,17 +189,9 @@ class Fleet:
         clients = self._clients
         found = await asyncio.gather(*(clients.weight_version(u, timeout_s) for u in urls))
         read = {u: v for u, v in zip(urls, found, strict=True) if v is not None}
-        for b in self.pool.backends:
-            if b.url in read:
-                b.weight_version = read[b.url]
-        latest = None
-        if len(set(read.values())) == 1:
-            # routing.weight_version: latest must name what the engines serve.
-            (latest,) = set(read.values())
-            self.pool.latest_version = latest
-        return Change(
-            states={u: {"weight_version": v} for u, v in read.items()}, latest_version=latest
-        )
+        # routing.weight_version: latest must name what the engines serve.
+        agreed = set(read.values())
+        return engines.serve(self.pool, read, agreed.pop() if len(agreed) == 1 else None)
 
     async def stop(self) -> None:
         if self._follow_task is not None:

@@ -77,8 +77,9 @@ class Backend:
         self.flaps = 0
         self.ejected_until = 0.0
         self.removed = False  # dropped from membership; in-flight requests still finish
-        # Engine state set by control calls through the gateway (gateway/edge/control.py):
-        # a paused engine holds new generations, an asleep one has released its memory.
+        # Engine state, written by gateway/fleet/engines.py alone (control calls, the shared
+        # document): a paused engine holds new generations, an asleep one has released its
+        # memory.
         self.paused = False
         self.asleep = False
         self.weight_version: str | None = None
@@ -143,7 +144,8 @@ class BackendPool:
         self._policy = policy
         self._clock = clock
         self._slot_waiters: deque[asyncio.Future[None]] = deque()
-        # The weight version most recently installed through the gateway (routing: latest).
+        # The weight version most recently installed through the gateway (routing: latest),
+        # written by gateway/fleet/engines.py.
         self.latest_version: str | None = None
         self.update(urls)
 

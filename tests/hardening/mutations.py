@@ -716,9 +716,9 @@ MUTATIONS = [
     ),
     (
         "workers keep states the document does not name (an unshared change lingers)",
-        "gateway/fleet/membership.py",
-        '            b.paused = st.get("paused", False)\n            b.asleep = st.get("asleep", False)\n',
-        '            b.paused = st.get("paused", b.paused)\n            b.asleep = st.get("asleep", b.asleep)\n',
+        "gateway/fleet/engines.py",
+        '        b.paused = st.get("paused", False)\n        b.asleep = st.get("asleep", False)\n',
+        '        b.paused = st.get("paused", b.paused)\n        b.asleep = st.get("asleep", b.asleep)\n',
         [
             "tests/ops/test_shared_damage.py::test_a_change_that_cannot_be_shared_fails_says_so_and_the_workers_converge"
         ],
