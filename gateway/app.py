@@ -194,7 +194,7 @@ class Gateway:
     @property
     def control_counts(self) -> dict[tuple[str, str], int]:
         """Fleet control calls by (route, result: ok, failed, forbidden)."""
-        return self.proxy.fanout.counts if self.proxy is not None else {}
+        return self.proxy.control.fanout.counts if self.proxy is not None else {}
 
     @property
     def shared_state(self) -> SharedState | None:

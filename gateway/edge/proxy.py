@@ -3,6 +3,11 @@
 Everything is decided before the first byte goes to the client (status, backend, any
 retry); after that bytes are only piped, and an upstream failure ends the client's
 transfer visibly broken (connection aborted), never as a clean, truncated reply.
+
+`Proxy.handle` builds one `Call` per request, which holds what the steps read and runs
+them in order: authenticate, read, inspect, admit, forward, relay. The operator routes
+(fleet control, the worker registry) leave the path after the route is known, for
+FleetControl.
 """
 
 from __future__ import annotations
@@ -69,9 +74,9 @@ from gateway.edge.upstream import (
     UpstreamResponse,
     UpstreamTimeout,
 )
-from gateway.fleet.capability import Admission
+from gateway.fleet.capability import Admission, Needs
 from gateway.fleet.membership import Fleet
-from gateway.fleet.pool import Backend, Fit
+from gateway.fleet.pool import Backend
 from gateway.fleet.shared import SharingFailed
 from gateway.ops.observe import USER_AGENT_MAX, Exchange, Observer
 from gateway.ops.redact import describe
@@ -82,10 +87,9 @@ TRACEPARENT: Final = "traceparent"
 
 log = logging.getLogger("gateway.edge.proxy")
 
-# How long a weight update's reply waits for each engine's /model_info.
-_VERSION_READ_S: Final = 10.0
-
-_JSON: Final = "application/json"
+# Routes only operators may call, answered by FleetControl.
+_OPERATOR_KINDS: Final = (Kind.CONTROL, Kind.REGISTRY)
+_NO_RIDS: Final[tuple[str, ...]] = ()
 
 
 class _RequestIds:
@@ -146,25 +150,21 @@ class Proxy:
         tracer: Tracer = NO_TRACING,
     ) -> None:
         self.settings = settings
-        self._upstream = upstream
-        self._fleet = fleet
-        self._pool = fleet.pool
+        self.upstream = upstream
+        self.pool = fleet.pool
         self._observers = tuple(observers)
         self._details = any(getattr(o, "wants_details", False) for o in observers)
         self._ids = _RequestIds()
         self.inflight = 0
         self.budget = InspectionBudget(settings.max_inspecting)
-        self.fanout = FanOut(upstream)
-        self._control_runs = Unstoppable()
-        # rid -> the backend serving it, for requests in flight: an abort of a known rid goes
-        # to its owner alone.
-        self.owners: dict[str, str] = {}
+        self.control = FleetControl(upstream, fleet)
+        self.owners = self.control.owners  # where the forward path records whom a rid went to
         self._idle: asyncio.Event | None = None  # only while someone waits for idleness
         # Untraced (None), the module's own functions are called, looked up at each call
         # like any global: one test of an attribute per request, no wrapper.
         traced = tracer is not NO_TRACING
-        self._inspect_body = tracer.inspection(inspect_body) if traced else None
-        self._inspect_large = tracer.inspection_async(inspect_large) if traced else None
+        self.traced_inspect = tracer.inspection(inspect_body) if traced else None
+        self.traced_inspect_large = tracer.inspection_async(inspect_large) if traced else None
 
     async def wait_idle(self) -> None:
         """Return once no request is in flight (the drain waits on this)."""
@@ -175,8 +175,6 @@ class Proxy:
             await self._idle.wait()
         finally:
             self._idle = None
-
-    # -- entry point ---------------------------------------------------------------
 
     async def handle(self, request: Request) -> Reply | None:
         rid = request.headers.get(REQUEST_ID)
@@ -194,9 +192,10 @@ class Proxy:
             # table spells out is logged as sent, a templated one as its template.
             shown = "" if route is None else route.path if "{" in route.path else path
             _describe_client(request, shown, exchange)
+        call = Call(self, request, settings, route, exchange)
         self.inflight += 1
         try:
-            return await self._handle(request, settings, route, raw_path, exchange)
+            return await call.run()
         except asyncio.CancelledError:
             # The client went away (handler cancellation); the upstream request, if any,
             # was closed on the way out so SGLang aborts the generation.
@@ -214,9 +213,8 @@ class Proxy:
             exchange.detail = type(exc).__name__
             if request.started:
                 raise  # a reply is already under way: the connection is dropped
-            family = route.family if route is not None else Family.PLAIN
-            body = replies.render(family, 500, "The gateway failed to handle the request.")
-            return self._reply(exchange, 500, body, Outcome.GATEWAY_ERROR, close=True)
+            body = replies.render(call.family, 500, "The gateway failed to handle the request.")
+            return call.reply(500, body, Outcome.GATEWAY_ERROR, close=True)
         finally:
             self.inflight -= 1
             if self._idle is not None and not self.inflight:
@@ -230,34 +228,84 @@ class Proxy:
                     # replace the reply the client is getting.
                     log.error("request %s: %s failed: %s", rid, type(obs).__name__, describe(exc))
 
-    async def _handle(
+
+class Call:
+    """One request on its way through the gateway, built once by Proxy.handle.
+
+    It holds what every step reads (the request, the settings captured at its start, its
+    route and the error shape that goes with it, its exchange record, SGLang's request ids
+    in its body) and runs the steps: authenticate, read, inspect, admit, forward, relay.
+    Each step passes the request on or answers it.
+    """
+
+    __slots__ = ("exchange", "family", "proxy", "raw_path", "request", "rids", "route", "settings")
+
+    def __init__(
         self,
+        proxy: Proxy,
         request: Request,
         settings: ProxySettings,
         route: Route | None,
-        raw_path: str,
         exchange: Exchange,
-    ) -> Reply | None:
-        if route is not None and route.kind in (Kind.CONTROL, Kind.REGISTRY):
-            # Operators only, by their own keys or address: a client key grants nothing here.
-            return await self._control(request, settings, route, raw_path, exchange)
-        if settings.auth is not None:
-            denied = self._authenticate(
-                request,
-                keys=settings.auth,
-                exempt=settings.auth_exempt,
-                route=route,
-                raw_path=raw_path,
-                exchange=exchange,
-            )
-            if denied is not None:
-                return denied
-        if route is None:
-            return self._reply(exchange, 404, replies.NOT_FOUND, Outcome.NOT_FOUND)
-        if request.method not in route.methods:
-            return self._wrong_method(exchange, route.methods)
+    ) -> None:
+        self.proxy = proxy
+        self.request = request
+        self.settings = settings
+        self.route = route
+        self.raw_path = request.raw_path
+        self.exchange = exchange
+        self.family = route.family if route is not None else Family.PLAIN
+        # SGLang's request ids in the body: who serves them, for aborts (inspected routes).
+        self.rids: Sequence[str] = _NO_RIDS
 
-        headers = request.headers
+    async def run(self) -> Reply | None:
+        route = self.route
+        if route is not None and route.kind in _OPERATOR_KINDS:
+            # Operators only, by their own keys or address: a client key grants nothing here.
+            return await self.proxy.control.handle(self, route)
+        keys = self.settings.auth
+        if keys is not None and (denied := self.authenticate(keys)) is not None:
+            return denied
+        if route is None:
+            return self.reply(404, replies.NOT_FOUND, Outcome.NOT_FOUND)
+        if self.request.method not in route.methods:
+            return self.wrong_method(route.methods)
+        if (refused := self.inspect_headers(route)) is not None:
+            return refused
+        body = await self.read()
+        if isinstance(body, Reply):
+            return body
+        # What a backend must have for it: the weights it asks for, a mask it may hold.
+        version = self.wanted_version()
+        needs = None if version is None else Needs(version)
+        if route.inspected:
+            verdict = await self.inspect(route.kind, body)
+            if verdict is not None:
+                admitted = self.admit(verdict, needs)
+                if isinstance(admitted, Reply):
+                    return admitted
+                needs = admitted
+        return await self.forward(body, needs)
+
+    # -- the steps -----------------------------------------------------------------------
+
+    def authenticate(self, keys: ApiKeys) -> Reply | None:
+        # Checked before routing, so an unauthenticated client learns nothing about paths.
+        route = self.route
+        path = route.path if route is not None else canonical_path(self.raw_path.partition("?")[0])
+        if path in self.settings.auth_exempt:
+            return None
+        reason = keys.check(self.request.headers.get("Authorization"))
+        if reason is None:
+            return None
+        denied = Rejection(401, "auth", reason, "Missing or invalid API key.")
+        resp = self.reject(denied, close=self.request.body_exists)
+        resp.headers.append(("WWW-Authenticate", "Bearer"))
+        return resp
+
+    def inspect_headers(self, route: Route) -> Reply | None:
+        """The refusal of a body the gateway cannot read (its media type, its encoding)."""
+        headers = self.request.headers
         encodings = headers.getall("Content-Encoding", None)
         rejection = check_headers(
             headers.get("Content-Type") if route.inspected else None,
@@ -265,349 +313,18 @@ class Proxy:
             # surely as a single `identity, gzip`.
             None if encodings is None else ", ".join(encodings),
         )
-        if rejection is not None:
-            return self._reject(exchange, route.family, rejection, close=request.body_exists)
-
-        body = await self._body_or_refusal(request, settings, exchange, route.family)
-        if isinstance(body, Reply):
-            return body
-
-        rids: list[str] = []  # SGLang's request ids in the body: who serves them, for aborts
-        admission: Admission | None = None  # a mask request: only where it is admitted
-        if route.inspected:
-            budget = self.budget
-            # A large body's cost takes a pass over it (gateway/edge/budget.py): counted
-            # once, by inspect_large, not here as well.
-            small = len(body) < SKIM_MIN_BODY
-            cost = parse_cost(body) if small else 0
-            if small and budget.try_acquire(cost):
-                # Most bodies: inspected at once, with no await on the way.
-                try:
-                    verdict = (self._inspect_body or inspect_body)(
-                        route.kind,
-                        body,
-                        settings.admission,
-                        skip_parse_without_key=settings.skip_parse,
-                        rids=rids,
-                    )
-                finally:
-                    budget.release(cost)
-            else:
-                verdict = await (self._inspect_large or inspect_large)(
-                    route.kind,
-                    body,
-                    settings.admission,
-                    budget,
-                    wait_s=settings.queue_timeout,
-                    skip_parse_without_key=settings.skip_parse,
-                    rids=rids,
-                )
-            if isinstance(verdict, MaskDemand):
-                admission = Admission(verdict)
-                pool, now = self._pool, self._pool.now()
-                rejection = admission.edge_refusal(
-                    pool.backends,
-                    lambda b: pool.routable(b, now),
-                    _fits(self._wanted_version(request, settings), None),
-                )
-            else:
-                rejection = verdict
-            if rejection is not None:
-                admission = None  # refused, or forwarded anywhere in log_only mode
-                if settings.admission.mode_of(rejection) is Mode.LOG_ONLY:
-                    # log_only: count and log what enforce would refuse, then forward.
-                    log.warning(
-                        "request %s would be rejected (%s): forwarded in log_only mode",
-                        exchange.request_id,
-                        rejection.reason,
-                    )
-                    exchange.log_only = rejection.rule
-                    exchange.reason = rejection.reason
-                    exchange.profile = rejection.profile
-                else:
-                    resp = self._reject(exchange, route.family, rejection)
-                    if rejection.status == 503:
-                        resp.headers.append(("Retry-After", "1"))
-                    return resp
-
-        return await self._forward(
-            request,
-            settings=settings,
-            route=route,
-            raw_path=raw_path,
-            body=body,
-            exchange=exchange,
-            rids=rids,
-            admission=admission,
-        )
-
-    def _wanted_version(self, request: Request, settings: ProxySettings) -> str | None:
-        """The weight version a request must be served by: its own X-Weight-Version, or
-        the latest installed with routing.weight_version: latest; None: any."""
-        version = request.headers.get(WEIGHT_VERSION)
-        if version is None and settings.latest_weights:
-            version = self._pool.latest_version
-        return version
-
-    def _authenticate(
-        self,
-        request: Request,
-        *,
-        keys: ApiKeys,
-        exempt: frozenset[str],
-        route: Route | None,
-        raw_path: str,
-        exchange: Exchange,
-    ) -> Reply | None:
-        # Checked before routing, so an unauthenticated client learns nothing about paths.
-        path = route.path if route is not None else canonical_path(raw_path.partition("?")[0])
-        if path in exempt:
+        if rejection is None:
             return None
-        reason = keys.check(request.headers.get("Authorization"))
-        if reason is None:
-            return None
-        family = route.family if route is not None else Family.PLAIN
-        denied = Rejection(401, "auth", reason, "Missing or invalid API key.")
-        resp = self._reject(exchange, family, denied, close=request.body_exists)
-        resp.headers.append(("WWW-Authenticate", "Bearer"))
-        return resp
+        return self.reject(rejection, close=self.request.body_exists)
 
-    def _wrong_method(self, exchange: Exchange, methods: frozenset[str]) -> Reply:
-        resp = self._reply(exchange, 405, replies.METHOD_NOT_ALLOWED, Outcome.METHOD_NOT_ALLOWED)
-        resp.headers.append(("Allow", ", ".join(sorted(methods))))
-        return resp
-
-    # -- fleet control -----------------------------------------------------------------
-
-    async def _control(
-        self,
-        request: Request,
-        settings: ProxySettings,
-        route: Route,
-        raw_path: str,
-        exchange: Exchange,
-    ) -> Reply | None:
-        fanout = self.fanout
-        access = settings.control_access
-        via_proxy = relayed(request.headers)
-        caller = access.caller(
-            request.headers.get("Authorization"), request.remote, relayed=via_proxy
-        )
-        if caller is None:
-            fanout.count(route.path, "forbidden")
-            message = (
-                "Fleet control routes need an operator key (control.keys) or a caller from "
-                "control.trusted_cidrs."
-            )
-            if via_proxy and access.trusted_address(request.remote):
-                message = (
-                    "This request was relayed by a proxy (it carries forwarding headers), so "
-                    "the address it comes from vouches for no caller: fleet control through a "
-                    "proxy needs an operator key (control.keys)."
-                )
-            denied = Rejection(403, "control", "forbidden", message)
-            return self._reject(exchange, Family.PLAIN, denied, close=request.body_exists)
-        engine_path: tuple[str, str] | None = None  # an addressed call's worker and path
-        if route.path == ADDRESSED_PATH:
-            found = self._addressable(request, raw_path, route, exchange)
-            if isinstance(found, Reply):
-                return found
-            engine_path = found
-        elif request.method not in route.methods:
-            return self._wrong_method(exchange, route.methods)
-        body = await self._body_or_refusal(request, settings, exchange, Family.PLAIN)
-        if isinstance(body, Reply):
-            return body
-        if route.kind is Kind.REGISTRY:
-            status, answer, change = registry_api.handle(
-                self._fleet, request.method, route.path, raw_path, body
-            )
-            try:
-                await self._fleet.share(change)
-            except SharingFailed as exc:
-                fanout.count(route.path, "unshared")
-                exchange.detail = "unshared"
-                reply = {
-                    "detail": _unshared_detail("The registry change was made", exc),
-                    "shared": False,
-                    "result": orjson.loads(answer),
-                }
-                return self._reply(exchange, 503, orjson.dumps(reply), Outcome.CONTROL_FAILED)
-            result = "ok" if status < 400 else "failed"
-            fanout.count(route.path, result)
-            if request.method != "GET":
-                log.info(
-                    "registry %s %s by %s (%s): %d",
-                    request.method,
-                    route.path,
-                    caller,
-                    request.remote or "-",
-                    status,
-                )
-            outcome = Outcome.OK if status < 400 else Outcome.REJECTED
-            if outcome is Outcome.REJECTED:
-                exchange.rejected_by = "registry"
-                exchange.reason = "invalid" if status == 400 else "not_found"
-            return self._reply(exchange, status, answer, outcome)
-        target = raw_path
-        if engine_path is not None:
-            worker, path = engine_path
-            backend = self._pool.find(worker)
-            if backend is None:
-                fanout.count(route.path, "failed")
-                missing = replies.render(Family.PLAIN, 404, f"No worker {worker!r}.")
-                return self._reply(exchange, 404, missing, Outcome.NOT_FOUND)
-            urls = [backend.url]
-            # The path as checked, never as sent: the engine must match exactly what was
-            # allowed, whatever spelling reached the gateway.
-            query = raw_path.partition("?")[2]
-            target = path + "?" + query if query else path
-        else:
-            urls = [b.url for b in self._pool.backends]
-            if route.path == "/abort_request":
-                owner = self._abort_owner(body)
-                if owner is not None and owner in urls:
-                    urls = [owner]
-        if not urls:
-            fanout.count(route.path, "failed")
-            return self._unavailable(exchange, Family.PLAIN, Outcome.NO_BACKEND)
-        headers = settings.control_forwarding.upstream(
-            request.headers.items(),
-            peer=request.remote,
-            scheme=request.scheme,
-            request_id=exchange.request_id,
-        )
-        exchange.first_byte = time.perf_counter()
-        call = ControlCall(
-            request.method,
-            target,
-            headers,
-            body if request.body_exists else None,
-            connect_s=settings.connect_s,
-            timeout_s=settings.control_timeout,
-        )
-        # Run to its end even if the caller goes away: the engines act on the call either
-        # way, so what the gateway records of them (and shares) must follow.
-        results, unshared = await self._control_runs.run(
-            self._run_control(urls, call, log_as=(route.path, caller, request.remote))
-        )
-        ok = all(r.ok for r in results)
-        exchange.attempts = len(results)
-        if unshared is not None:
-            # Never the engines' plain answer: that would read as the whole gateway knowing.
-            fanout.count(route.path, "unshared")
-            exchange.detail = "unshared"
-            reply = orjson.loads(reply_body(results))
-            reply.update(
-                success=False,
-                shared=False,
-                detail=_unshared_detail("The engines listed acted on the call", unshared),
-            )
-            return self._reply(exchange, 503, orjson.dumps(reply), Outcome.CONTROL_FAILED)
-        fanout.count(route.path, "ok" if ok else "failed")
-        if route.path == ADDRESSED_PATH:
-            (only,) = results
-            exchange.backend = only.url
-            if only.status:  # the engine's own answer, relayed as it came
-                resp = self._reply(
-                    exchange, only.status, only.raw, Outcome.OK if ok else Outcome.CONTROL_FAILED
-                )
-                resp.content_type = only.content_type.partition(";")[0] or "application/json"
-                return resp
-        return self._reply(
-            exchange,
-            200 if ok else 502,
-            reply_body(results),
-            Outcome.OK if ok else Outcome.CONTROL_FAILED,
-        )
-
-    def _addressable(
-        self, request: Request, raw_path: str, route: Route, exchange: Exchange
-    ) -> tuple[str, str] | Reply:
-        """The worker and engine path an addressed call names, or the refusal of a path
-        outside the fixed list (never forwarded, whatever it would reach)."""
-        found = addressed(canonical_path(raw_path.partition("?")[0]))
-        assert found is not None  # the route table matched /workers/{id}/...
-        methods = ADDRESSABLE_ROUTES.get(found[1])
-        if methods is None:
-            self.fanout.count(route.path, "refused")
-            refused = Rejection(
-                404,
-                "control",
-                "not_addressable",
-                "Only an engine's own control calls can be sent to one worker, as "
-                "/workers/{id}/<path>; generation and every other route go to their own path, "
-                "where they are inspected. Allowed paths: " + ", ".join(ADDRESSABLE_ROUTES) + ".",
-            )
-            return self._reject(exchange, Family.PLAIN, refused, close=request.body_exists)
-        if request.method not in methods:
-            return self._wrong_method(exchange, methods)
-        return found
-
-    async def _run_control(
-        self, urls: list[str], call: ControlCall, *, log_as: tuple[str, str, str | None]
-    ) -> tuple[list[BackendResult], SharingFailed | None]:
-        """Fan one control call out, then record and share what it did to the engines; the
-        results, and why the change could not be shared with the other workers, if not."""
-        results = await self.fanout.call(urls, call)
-        log_action(*log_as, results)
-        try:
-            # Shared before the read-back below, which may take a while.
-            await self._fleet.share(apply_state(self._pool, call.target, call.body or b"", results))
-            if updated := updated_weights(call.target, results):
-                # The engine's own word on what it now serves, over what the call asked for.
-                timeout_s = min(call.timeout_s, _VERSION_READ_S)
-                await self._fleet.share(await self._fleet.confirm_versions(updated, timeout_s))
-        except SharingFailed as exc:
-            return results, exc
-        return results, None
-
-    def _abort_owner(self, body: bytes) -> str | None:
-        """The backend serving the one rid an abort names, if this gateway routed it there.
-        An abort of all, of a list, or of an unknown rid (queued anywhere, or routed by
-        another gateway process) goes to every backend."""
-        try:
-            parsed = orjson.loads(body) if body else None
-        except orjson.JSONDecodeError:
-            return None
-        if not isinstance(parsed, dict) or parsed.get("abort_all"):
-            return None
-        rid = parsed.get("rid")
-        return self.owners.get(rid) if isinstance(rid, str) else None
-
-    # -- request body ----------------------------------------------------------------
-
-    async def _body_or_refusal(
-        self,
-        request: Request,
-        settings: ProxySettings,
-        exchange: Exchange,
-        family: Family,
-    ) -> bytes | Reply:
+    async def read(self) -> bytes | Reply:
         """The request body, or the 413 / 408 reply for one too large or too slow."""
-        try:
-            return await self._read_body(request, settings, exchange)
-        except BodyTooLarge:
-            rejection = Rejection(
-                413,
-                "request_body",
-                "too_large",
-                f"Request body exceeds the gateway's limit of {settings.max_body} bytes.",
-            )
-        except TimeoutError:
-            rejection = Rejection(
-                408, "request_body", "body_timeout", "Request body was not received in time."
-            )
-        return self._reject(exchange, family, rejection, close=True)
-
-    async def _read_body(
-        self, request: Request, settings: ProxySettings, exchange: Exchange
-    ) -> bytes:
+        request, settings = self.request, self.settings
         if not request.body_exists:
             return b""
         length = request.content_length
         if length is not None and length > settings.max_body:
-            raise BodyTooLarge
+            return self._too_large()
         if (
             request.version >= (1, 1)  # HTTP/1.0 has no 100 (RFC 9110 s.10.1.1)
             and request.headers.get("Expect", "").lower() == "100-continue"
@@ -615,67 +332,99 @@ class Proxy:
             # Sent only once the declared size passed the cap, so an oversized upload is
             # refused before the client transmits it.
             request.send_continue()
-        if request.body_complete and request.body_joins_at_once:
-            # The whole body came with the headers (most requests): take it without arming
-            # a deadline timer, which costs more than the rest of the read. (A large body
-            # that is all there already is joined by read_body, off the loop.)
-            body = request.take_body()
-            if len(body) > settings.max_body:
-                raise BodyTooLarge
-        else:
-            async with asyncio.timeout(settings.body_timeout):
-                body = await request.read_body(settings.max_body)
-        exchange.bytes_in = len(body)
+        try:
+            if request.body_complete and request.body_joins_at_once:
+                # The whole body came with the headers (most requests): take it without
+                # arming a deadline timer, which costs more than the rest of the read. (A
+                # large body that is all there already is joined by read_body, off the loop.)
+                body = request.take_body()
+                if len(body) > settings.max_body:
+                    raise BodyTooLarge
+            else:
+                async with asyncio.timeout(settings.body_timeout):
+                    body = await request.read_body(settings.max_body)
+        except BodyTooLarge:
+            return self._too_large()
+        except TimeoutError:
+            slow = Rejection(
+                408, "request_body", "body_timeout", "Request body was not received in time."
+            )
+            return self.reject(slow, close=True)
+        self.exchange.bytes_in = len(body)
         return body
 
-    # -- gateway-made replies ----------------------------------------------------------
+    async def inspect(self, kind: Kind, body: bytes) -> Rejection | MaskDemand | None:
+        """The policy's verdict on the body; the request ids it names go to `rids`."""
+        settings, budget = self.settings, self.proxy.budget
+        rids: list[str] = []
+        self.rids = rids
+        # A large body's cost takes a pass over it (gateway/edge/budget.py): counted
+        # once, by inspect_large, not here as well.
+        small = len(body) < SKIM_MIN_BODY
+        cost = parse_cost(body) if small else 0
+        if small and budget.try_acquire(cost):
+            # Most bodies: inspected at once, with nothing awaited on the way.
+            try:
+                return (self.proxy.traced_inspect or inspect_body)(
+                    kind,
+                    body,
+                    settings.admission,
+                    skip_parse_without_key=settings.skip_parse,
+                    rids=rids,
+                )
+            finally:
+                budget.release(cost)
+        return await (self.proxy.traced_inspect_large or inspect_large)(
+            kind,
+            body,
+            settings.admission,
+            budget,
+            wait_s=settings.queue_timeout,
+            skip_parse_without_key=settings.skip_parse,
+            rids=rids,
+        )
 
-    def _reply(
-        self, exchange: Exchange, status: int, body: bytes, outcome: Outcome, *, close: bool = False
-    ) -> Reply:
-        exchange.status = status
-        exchange.outcome = outcome
-        exchange.bytes_out = len(body)
-        # close: the unread rest of the body would otherwise be parsed as the next request.
-        return Reply(status, body, headers=[(REQUEST_ID, exchange.request_id), SERVER], close=close)
-
-    def _reject(
-        self, exchange: Exchange, family: Family, rejection: Rejection, *, close: bool = False
-    ) -> Reply:
-        body = replies.render_rejection(family, rejection)
-        exchange.reason = rejection.reason
-        if rejection.detail:
-            exchange.detail = rejection.detail
-        exchange.rejected_by = rejection.rule
-        exchange.profile = rejection.profile
-        return self._reply(exchange, rejection.status, body, Outcome.REJECTED, close=close)
-
-    def _unavailable(self, exchange: Exchange, family: Family, outcome: Outcome) -> Reply:
-        status = 503
-        if outcome is Outcome.NO_CAPACITY:
-            message = "All backends are at their concurrency limit; retry later."
-        elif outcome is Outcome.GATEWAY_OVERLOADED:
-            message = "The gateway is out of resources for new upstream connections; retry later."
+    def admit(self, verdict: Rejection | MaskDemand, wanted: Needs | None) -> Reply | Needs | None:
+        """What a backend must have for a request the inspection judged (`wanted`: what it
+        needs besides), or its refusal. A mask request goes only where a backend's own
+        admission serves it; a refusal of a rule in log_only mode is forwarded anywhere."""
+        if isinstance(verdict, MaskDemand):
+            admission = Admission(verdict)
+            rejection = admission.edge_refusal(self.proxy.pool, wanted)
+            if rejection is None:
+                return Needs(None if wanted is None else wanted.version, admission)
         else:
-            message = "No healthy backend is available; retry later."
-        resp = self._reply(exchange, status, replies.render(family, status, message), outcome)
-        resp.headers.append(("Retry-After", "1"))
+            rejection = verdict
+        if self.settings.admission.mode_of(rejection) is Mode.LOG_ONLY:
+            # log_only: count and log what enforce would refuse, then forward.
+            exchange = self.exchange
+            log.warning(
+                "request %s would be rejected (%s): forwarded in log_only mode",
+                exchange.request_id,
+                rejection.reason,
+            )
+            exchange.log_only = rejection.rule
+            exchange.reason = rejection.reason
+            exchange.profile = rejection.profile
+            return wanted
+        resp = self.reject(rejection)
+        if rejection.status == 503:
+            resp.headers.append(("Retry-After", "1"))
         return resp
 
-    # -- forwarding ----------------------------------------------------------------------
+    def wanted_version(self) -> str | None:
+        """The weight version a request must be served by: its own X-Weight-Version, or
+        the latest installed with routing.weight_version: latest; None: any."""
+        version = self.request.headers.get(WEIGHT_VERSION)
+        if version is None and self.settings.latest_weights:
+            version = self.proxy.pool.latest_version
+        return version
 
-    async def _forward(
-        self,
-        request: Request,
-        *,
-        settings: ProxySettings,
-        route: Route,
-        raw_path: str,
-        body: bytes,
-        exchange: Exchange,
-        rids: Sequence[str] = (),
-        admission: Admission | None = None,
-    ) -> Reply | None:
+    async def forward(self, body: bytes, needs: Needs | None) -> Reply | None:
+        """Send the request to a backend that has what it `needs` (another one after a
+        connection that failed, up to the attempts allowed) and relay the answer."""
+        request, settings, exchange, proxy = self.request, self.settings, self.exchange, self.proxy
+        pool, rids = proxy.pool, self.rids
         headers = settings.forwarding.upstream(
             request.headers.items(),
             peer=request.remote,
@@ -684,89 +433,71 @@ class Proxy:
         )
         data = body if request.body_exists else None
         key = request.headers.get(settings.hash_header) if settings.hash_header else None
-        fits = _fits(self._wanted_version(request, settings), admission)
         tried: list[Backend] = []
-        saturated = False
         while len(tried) < settings.attempts:
-            backend = await self._pool.acquire(tried, key, settings.queue_timeout, fits=fits)
+            backend = await pool.acquire(tried, key, settings.queue_timeout, fits=needs)
             if backend is None:
-                saturated = self._pool.saturated(tried)
-                break
+                saturated = pool.saturated(tried)
+                return self.unavailable(Outcome.NO_CAPACITY if saturated else Outcome.NO_BACKEND)
             tried.append(backend)
             exchange.attempts = len(tried)
             exchange.backend = backend.url
-            owners = self.owners
-            for rid in rids:
-                owners[rid] = backend.url
+            if rids:
+                proxy.owners.claim(rids, backend.url)
             try:
                 try:
-                    upstream = await self._upstream.request(
+                    upstream = await proxy.upstream.request(
                         backend.url,
                         request.method,
-                        raw_path,
+                        self.raw_path,
                         headers,
                         data,
                         connect_s=settings.connect_s,
                         ttfb_s=settings.ttfb_s,
                         total_s=settings.total_s,
                     )
-                except ConnectFailed as exc:
-                    if exc.local:
-                        # Out of descriptors or buffers: the gateway's own fault. Blaming the
-                        # backend would eject healthy ones in turn; another would fare no better.
-                        log.warning(
-                            "request %s: cannot connect upstream: %s", exchange.request_id, exc
-                        )
-                        exchange.detail = f"local resource: {exc.cause}"
-                        return self._unavailable(exchange, route.family, Outcome.GATEWAY_OVERLOADED)
-                    # Nothing reached the backend: safe to try another one.
-                    self._pool.connect_failed(backend, exc.cause)
-                    exchange.connect_failed = (*exchange.connect_failed, backend.url)
-                    exchange.detail = f"connect failed: {exc.cause}"
-                    continue
-                except UpstreamTimeout as exc:
-                    exchange.detail = exc.cause
-                    return self._upstream_failed(
-                        exchange, route.family, 504, Outcome.UPSTREAM_TIMEOUT
-                    )
-                except UpstreamFailure as exc:  # UpstreamError, and any other after the send
-                    # The request went out and the backend dropped it: never replay a
-                    # generation that may have started.
-                    exchange.detail = exc.cause
-                    return self._upstream_failed(
-                        exchange, route.family, 502, Outcome.UPSTREAM_ERROR
-                    )
-                self._pool.response(backend, upstream.status)
-                # Headers are in: from now on bound the silence between chunks, not the
-                # (much longer) wait for the first byte.
-                upstream.set_idle_timeout(settings.idle_s)
-                return await self._relay(request, upstream, exchange, backend.weight_version)
+                except UpstreamFailure as exc:
+                    failed = self._failed(backend, exc)
+                    if failed is not None:
+                        return failed
+                else:
+                    pool.response(backend, upstream.status)
+                    # Headers are in: from now on bound the silence between chunks, not the
+                    # (much longer) wait for the first byte.
+                    upstream.set_idle_timeout(settings.idle_s)
+                    await self.relay(upstream, backend.weight_version)
+                    return None
             finally:
-                self._pool.release(backend)
-                for rid in rids:
-                    if owners.get(rid) == backend.url:
-                        del owners[rid]
-        return self._unavailable(
-            exchange, route.family, Outcome.NO_CAPACITY if saturated else Outcome.NO_BACKEND
-        )
+                pool.release(backend)
+                if rids:
+                    proxy.owners.release(rids, backend.url)
+        return self.unavailable(Outcome.NO_BACKEND)
 
-    def _upstream_failed(
-        self, exchange: Exchange, family: Family, status: int, outcome: Outcome
-    ) -> Reply:
-        message = (
-            "The backend did not answer in time."
-            if status == 504
-            else "The backend failed to answer the request."
-        )
-        return self._reply(exchange, status, replies.render(family, status, message), outcome)
+    def _failed(self, backend: Backend, exc: UpstreamFailure) -> Reply | None:
+        """The reply to an attempt that failed; None when nothing reached the backend, so
+        another one may be tried."""
+        exchange = self.exchange
+        if isinstance(exc, ConnectFailed):
+            if exc.local:
+                # Out of descriptors or buffers: the gateway's own fault. Blaming the
+                # backend would eject healthy ones in turn; another would fare no better.
+                log.warning("request %s: cannot connect upstream: %s", exchange.request_id, exc)
+                exchange.detail = f"local resource: {exc.cause}"
+                return self.unavailable(Outcome.GATEWAY_OVERLOADED)
+            # Nothing reached the backend: safe to try another one.
+            self.proxy.pool.connect_failed(backend, exc.cause)
+            exchange.connect_failed = (*exchange.connect_failed, backend.url)
+            exchange.detail = f"connect failed: {exc.cause}"
+            return None
+        exchange.detail = exc.cause
+        if isinstance(exc, UpstreamTimeout):
+            return self._upstream_failed(504, Outcome.UPSTREAM_TIMEOUT)
+        # UpstreamError, and any other after the send: the request went out and the backend
+        # dropped it. Never replay a generation that may have started.
+        return self._upstream_failed(502, Outcome.UPSTREAM_ERROR)
 
-    async def _relay(
-        self,
-        request: Request,
-        upstream: UpstreamResponse,
-        exchange: Exchange,
-        weight_version: str | None,
-    ) -> Reply | None:
+    async def relay(self, upstream: UpstreamResponse, weight_version: str | None) -> None:
+        request, exchange = self.request, self.exchange
         exchange.first_byte = time.perf_counter()
         exchange.status = upstream.status
         length = upstream.content_length
@@ -810,14 +541,61 @@ class Proxy:
                 # is gone, so it aborts the generation instead of finishing it for nobody.
                 upstream.close()
 
+    # -- gateway-made replies ------------------------------------------------------------
 
-def _unshared_detail(done: str, exc: SharingFailed) -> str:
-    return (
-        f"{done}, and this gateway process routes by it, but it could not be shared with "
-        f"the gateway's other worker processes ({exc.reason}): they route as before. The "
-        "next change that is shared replaces it in this process too. Repeat the call once "
-        "the state can be written."
-    )
+    def reply(self, status: int, body: bytes, outcome: Outcome, *, close: bool = False) -> Reply:
+        exchange = self.exchange
+        exchange.status = status
+        exchange.outcome = outcome
+        exchange.bytes_out = len(body)
+        # close: the unread rest of the body would otherwise be parsed as the next request.
+        return Reply(status, body, headers=[(REQUEST_ID, exchange.request_id), SERVER], close=close)
+
+    def reject(self, rejection: Rejection, *, close: bool = False) -> Reply:
+        """The refusal in the route's error shape."""
+        body = replies.render_rejection(self.family, rejection)
+        exchange = self.exchange
+        exchange.reason = rejection.reason
+        if rejection.detail:
+            exchange.detail = rejection.detail
+        exchange.rejected_by = rejection.rule
+        exchange.profile = rejection.profile
+        return self.reply(rejection.status, body, Outcome.REJECTED, close=close)
+
+    def wrong_method(self, methods: frozenset[str]) -> Reply:
+        resp = self.reply(405, replies.METHOD_NOT_ALLOWED, Outcome.METHOD_NOT_ALLOWED)
+        resp.headers.append(("Allow", ", ".join(sorted(methods))))
+        return resp
+
+    def unavailable(self, outcome: Outcome) -> Reply:
+        status = 503
+        if outcome is Outcome.NO_CAPACITY:
+            message = "All backends are at their concurrency limit; retry later."
+        elif outcome is Outcome.GATEWAY_OVERLOADED:
+            message = "The gateway is out of resources for new upstream connections; retry later."
+        else:
+            message = "No healthy backend is available; retry later."
+        resp = self.reply(status, replies.render(self.family, status, message), outcome)
+        resp.headers.append(("Retry-After", "1"))
+        return resp
+
+    def _too_large(self) -> Reply:
+        limit = self.settings.max_body
+        rejection = Rejection(
+            413,
+            "request_body",
+            "too_large",
+            f"Request body exceeds the gateway's limit of {limit} bytes.",
+        )
+        return self.reject(rejection, close=True)
+
+    def _upstream_failed(self, status: int, outcome: Outcome) -> Reply:
+        message = (
+            "The backend did not answer in time."
+            if status == 504
+            else "The backend failed to answer the request."
+        )
+        return self.reply(status, replies.render(self.family, status, message), outcome)
 
 
 def _describe_client(request: Request, path: str, exchange: Exchange) -> None:
@@ -842,10 +620,272 @@ def _printable(text: str) -> str:
     return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
-def _fits(version: str | None, admission: Admission | None) -> Fit | None:
-    """What the request needs of a backend: the weights it asks for, a mask it may have."""
-    if admission is None:
-        return None if version is None else (lambda b: b.weight_version == version)
-    if version is None:
-        return admission.fits
-    return lambda b: b.weight_version == version and admission.fits(b)
+# -- fleet control -------------------------------------------------------------------
+
+# How long a weight update's reply waits for each engine's /model_info.
+_VERSION_READ_S: Final = 10.0
+
+
+class RidOwners:
+    """rid -> the backend serving it, for requests in flight: an abort of a known rid goes
+    to its owner alone."""
+
+    __slots__ = ("_by_rid",)
+
+    def __init__(self) -> None:
+        self._by_rid: dict[str, str] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_rid)
+
+    def claim(self, rids: Sequence[str], url: str) -> None:
+        """The attempt on `url` serves `rids` from now on."""
+        by_rid = self._by_rid
+        for rid in rids:
+            by_rid[rid] = url
+
+    def release(self, rids: Sequence[str], url: str) -> None:
+        """The attempt on `url` ended: forget the rids it still owns (a later attempt
+        elsewhere may own them already)."""
+        by_rid = self._by_rid
+        for rid in rids:
+            if by_rid.get(rid) == url:
+                del by_rid[rid]
+
+    def owner(self, rid: str) -> str | None:
+        return self._by_rid.get(rid)
+
+
+class FleetControl:
+    """Answers the control and registry routes for one gateway process."""
+
+    def __init__(self, upstream: Upstream, fleet: Fleet) -> None:
+        self._fleet = fleet
+        self._pool = fleet.pool
+        self.fanout = FanOut(upstream)
+        self.owners = RidOwners()
+        self._runs = Unstoppable()
+
+    async def handle(self, call: Call, route: Route) -> Reply | None:
+        """Answer `call`, on the control or registry route `route`."""
+        caller = self._caller(call, route)
+        if isinstance(caller, Reply):
+            return caller
+        engine_path: tuple[str, str] | None = None  # an addressed call's worker and path
+        if route.path == ADDRESSED_PATH:
+            found = self._addressable(call, route)
+            if isinstance(found, Reply):
+                return found
+            engine_path = found
+        elif call.request.method not in route.methods:
+            return call.wrong_method(route.methods)
+        body = await call.read()
+        if isinstance(body, Reply):
+            return body
+        if route.kind is Kind.REGISTRY:
+            return await self._registry(call, route, caller, body)
+        targets = self._targets(call, route, engine_path, body)
+        if isinstance(targets, Reply):
+            return targets
+        return await self._fan_out(call, route, caller, targets, body)
+
+    def _caller(self, call: Call, route: Route) -> str | Reply:
+        """How the caller is allowed ("key" or "trusted"), or the refusal."""
+        request = call.request
+        access = call.settings.control_access
+        via_proxy = relayed(request.headers)
+        caller = access.caller(
+            request.headers.get("Authorization"), request.remote, relayed=via_proxy
+        )
+        if caller is not None:
+            return caller
+        self.fanout.count(route.path, "forbidden")
+        message = (
+            "Fleet control routes need an operator key (control.keys) or a caller from "
+            "control.trusted_cidrs."
+        )
+        if via_proxy and access.trusted_address(request.remote):
+            message = (
+                "This request was relayed by a proxy (it carries forwarding headers), so "
+                "the address it comes from vouches for no caller: fleet control through a "
+                "proxy needs an operator key (control.keys)."
+            )
+        denied = Rejection(403, "control", "forbidden", message)
+        return call.reject(denied, close=request.body_exists)
+
+    def _addressable(self, call: Call, route: Route) -> tuple[str, str] | Reply:
+        """The worker and engine path an addressed call names, or the refusal of a path
+        outside the fixed list (never forwarded, whatever it would reach)."""
+        found = addressed(canonical_path(call.raw_path.partition("?")[0]))
+        assert found is not None  # the route table matched /workers/{id}/...
+        methods = ADDRESSABLE_ROUTES.get(found[1])
+        if methods is None:
+            self.fanout.count(route.path, "refused")
+            refused = Rejection(
+                404,
+                "control",
+                "not_addressable",
+                "Only an engine's own control calls can be sent to one worker, as "
+                "/workers/{id}/<path>; generation and every other route go to their own path, "
+                "where they are inspected. Allowed paths: " + ", ".join(ADDRESSABLE_ROUTES) + ".",
+            )
+            return call.reject(refused, close=call.request.body_exists)
+        if call.request.method not in methods:
+            return call.wrong_method(methods)
+        return found
+
+    async def _registry(self, call: Call, route: Route, caller: str, body: bytes) -> Reply:
+        request, exchange, fanout = call.request, call.exchange, self.fanout
+        status, answer, change = registry_api.handle(
+            self._fleet, request.method, route.path, call.raw_path, body
+        )
+        try:
+            await self._fleet.share(change)
+        except SharingFailed as exc:
+            fanout.count(route.path, "unshared")
+            exchange.detail = "unshared"
+            reply = {
+                "detail": _unshared_detail("The registry change was made", exc),
+                "shared": False,
+                "result": orjson.loads(answer),
+            }
+            return call.reply(503, orjson.dumps(reply), Outcome.CONTROL_FAILED)
+        result = "ok" if status < 400 else "failed"
+        fanout.count(route.path, result)
+        if request.method != "GET":
+            log.info(
+                "registry %s %s by %s (%s): %d",
+                request.method,
+                route.path,
+                caller,
+                request.remote or "-",
+                status,
+            )
+        outcome = Outcome.OK if status < 400 else Outcome.REJECTED
+        if outcome is Outcome.REJECTED:
+            exchange.rejected_by = "registry"
+            exchange.reason = "invalid" if status == 400 else "not_found"
+        return call.reply(status, answer, outcome)
+
+    def _targets(
+        self, call: Call, route: Route, engine_path: tuple[str, str] | None, body: bytes
+    ) -> tuple[list[str], str] | Reply:
+        """The backends a control call goes to, and the target each one gets."""
+        raw_path = call.raw_path
+        target = raw_path
+        if engine_path is not None:
+            worker, path = engine_path
+            backend = self._pool.find(worker)
+            if backend is None:
+                self.fanout.count(route.path, "failed")
+                missing = replies.render(Family.PLAIN, 404, f"No worker {worker!r}.")
+                return call.reply(404, missing, Outcome.NOT_FOUND)
+            urls = [backend.url]
+            # The path as checked, never as sent: the engine must match exactly what was
+            # allowed, whatever spelling reached the gateway.
+            query = raw_path.partition("?")[2]
+            target = path + "?" + query if query else path
+        else:
+            urls = [b.url for b in self._pool.backends]
+            if route.path == "/abort_request":
+                owner = self._abort_owner(body)
+                if owner is not None and owner in urls:
+                    urls = [owner]
+        if not urls:
+            self.fanout.count(route.path, "failed")
+            return call.unavailable(Outcome.NO_BACKEND)
+        return urls, target
+
+    async def _fan_out(
+        self, call: Call, route: Route, caller: str, targets: tuple[list[str], str], body: bytes
+    ) -> Reply:
+        request, settings, exchange = call.request, call.settings, call.exchange
+        urls, target = targets
+        headers = settings.control_forwarding.upstream(
+            request.headers.items(),
+            peer=request.remote,
+            scheme=request.scheme,
+            request_id=exchange.request_id,
+        )
+        exchange.first_byte = time.perf_counter()
+        control = ControlCall(
+            request.method,
+            target,
+            headers,
+            body if request.body_exists else None,
+            connect_s=settings.connect_s,
+            timeout_s=settings.control_timeout,
+        )
+        # Run to its end even if the caller goes away: the engines act on the call either
+        # way, so what the gateway records of them (and shares) must follow.
+        results, unshared = await self._runs.run(
+            self._run(urls, control, log_as=(route.path, caller, request.remote))
+        )
+        ok = all(r.ok for r in results)
+        exchange.attempts = len(results)
+        if unshared is not None:
+            # Never the engines' plain answer: that would read as the whole gateway knowing.
+            self.fanout.count(route.path, "unshared")
+            exchange.detail = "unshared"
+            reply = orjson.loads(reply_body(results))
+            reply.update(
+                success=False,
+                shared=False,
+                detail=_unshared_detail("The engines listed acted on the call", unshared),
+            )
+            return call.reply(503, orjson.dumps(reply), Outcome.CONTROL_FAILED)
+        self.fanout.count(route.path, "ok" if ok else "failed")
+        if route.path == ADDRESSED_PATH:
+            (only,) = results
+            exchange.backend = only.url
+            if only.status:  # the engine's own answer, relayed as it came
+                resp = call.reply(
+                    only.status, only.raw, Outcome.OK if ok else Outcome.CONTROL_FAILED
+                )
+                resp.content_type = only.content_type.partition(";")[0] or "application/json"
+                return resp
+        return call.reply(
+            200 if ok else 502,
+            reply_body(results),
+            Outcome.OK if ok else Outcome.CONTROL_FAILED,
+        )
+
+    async def _run(
+        self, urls: list[str], call: ControlCall, *, log_as: tuple[str, str, str | None]
+    ) -> tuple[list[BackendResult], SharingFailed | None]:
+        """Fan one control call out, then record and share what it did to the engines; the
+        results, and why the change could not be shared with the other workers, if not."""
+        results = await self.fanout.call(urls, call)
+        log_action(*log_as, results)
+        try:
+            # Shared before the read-back below, which may take a while.
+            await self._fleet.share(apply_state(self._pool, call.target, call.body or b"", results))
+            if updated := updated_weights(call.target, results):
+                # The engine's own word on what it now serves, over what the call asked for.
+                timeout_s = min(call.timeout_s, _VERSION_READ_S)
+                await self._fleet.share(await self._fleet.confirm_versions(updated, timeout_s))
+        except SharingFailed as exc:
+            return results, exc
+        return results, None
+
+    def _abort_owner(self, body: bytes) -> str | None:
+        """The backend serving the one rid an abort names, if this gateway routed it there.
+        An abort of all, of a list, or of an unknown rid (queued anywhere, or routed by
+        another gateway process) goes to every backend."""
+        try:
+            parsed = orjson.loads(body) if body else None
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(parsed, dict) or parsed.get("abort_all"):
+            return None
+        rid = parsed.get("rid")
+        return self.owners.owner(rid) if isinstance(rid, str) else None
+
+
+def _unshared_detail(done: str, exc: SharingFailed) -> str:
+    return (
+        f"{done}, and this gateway process routes by it, but it could not be shared with "
+        f"the gateway's other worker processes ({exc.reason}): they route as before. The "
+        "next change that is shared replaces it in this process too. Repeat the call once "
+        "the state can be written."
+    )

@@ -10,11 +10,9 @@ learns what to change (a lower top_k, say, rather than a setting it cannot touch
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-
 from gateway.contract.policy import MaskDemand, Rejection
 from gateway.contract.profiles import MaskProfile
-from gateway.fleet.pool import Backend
+from gateway.fleet.pool import Backend, BackendPool, Fit
 
 
 class Admission:
@@ -37,18 +35,36 @@ class Admission:
     def fits(self, backend: Backend) -> bool:
         return self.verdict(backend) is None
 
-    def edge_refusal(
-        self,
-        backends: Sequence[Backend],
-        routable: Callable[[Backend], bool],
-        wanted: Callable[[Backend], bool] | None = None,
-    ) -> Rejection | None:
+    def edge_refusal(self, pool: BackendPool, wanted: Fit | None = None) -> Rejection | None:
         """None when some member admits the request (it waits for that one if it is busy or
         paused); else the refusal of the routable member closest to admitting it. `wanted`:
         what else the request needs (the weights it asks for): only those members count."""
-        members = [b for b in backends if not b.removed and (wanted is None or wanted(b))]
+        members = [b for b in pool.backends if not b.removed and (wanted is None or wanted(b))]
         if not members or any(self.fits(b) for b in members):
             return None
-        candidates = [b for b in members if routable(b)] or members
-        closest = max(candidates, key=lambda b: b.profile.closeness())
+        now = pool.now()
+        candidates = [b for b in members if pool.routable(b, now)] or members
+        closest = max(candidates, key=_closeness)
         return self.verdict(closest)
+
+
+def _closeness(backend: Backend) -> tuple[int, int, int]:
+    return backend.profile.closeness()
+
+
+class Needs:
+    """What a request needs of a backend beyond being routable (the pool's `fits`): the
+    weights it asks for, and for a mask request the admission of the backend's profile.
+    Made only for a request that needs either."""
+
+    __slots__ = ("admission", "version")
+
+    def __init__(self, version: str | None, admission: Admission | None = None) -> None:
+        self.version = version
+        self.admission = admission
+
+    def __call__(self, backend: Backend) -> bool:
+        if self.version is not None and backend.weight_version != self.version:
+            return False
+        admission = self.admission
+        return admission is None or admission.fits(backend)

@@ -473,8 +473,8 @@ async def test_tracing_off_forwards_the_trace_context_untouched_and_exports_noth
     # The request path runs the undecorated code: nothing is checked per request.
     assert gw.tracer is tracing.NO_TRACING
     assert gw.proxy is not None
-    assert gw.proxy._inspect_body is None  # the module's own function is called
-    assert gw.proxy._inspect_large is None
+    assert gw.proxy.traced_inspect is None  # the module's own function is called
+    assert gw.proxy.traced_inspect_large is None
     assert type(gw.upstream_stats) is Upstream
     sent = f"00-{TRACE_ID}-{PARENT_ID}-01"
     r = await post(session, gw, OK_BODY, traceparent=sent, tracestate="vendor=opaque-1")

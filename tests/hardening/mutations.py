@@ -392,8 +392,8 @@ MUTATIONS = [
     (
         "mask requests routed to any backend, whatever its profile admits",
         "gateway/edge/proxy.py",
-        "        fits = _fits(self._wanted_version(request, settings), admission)",
-        "        fits = _fits(self._wanted_version(request, settings), None)",
+        "                return Needs(None if wanted is None else wanted.version, admission)\n",
+        "                return Needs(None if wanted is None else wanted.version, None)\n",
         ["tests/fleet/test_capability.py"],
     ),
     (
@@ -412,9 +412,9 @@ MUTATIONS = [
     ),
     (
         "a mask request asking for weights ignores its mask",
-        "gateway/edge/proxy.py",
-        "    return lambda b: b.weight_version == version and admission.fits(b)",
-        "    return lambda b: b.weight_version == version",
+        "gateway/fleet/capability.py",
+        "        if self.version is not None and backend.weight_version != self.version:\n            return False\n",
+        "        if self.version is not None:\n            return backend.weight_version == self.version\n",
         ["tests/fleet/test_capability.py"],
     ),
     (
