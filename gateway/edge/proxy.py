@@ -7,7 +7,7 @@ transfer visibly broken (connection aborted), never as a clean, truncated reply.
 `Proxy.handle` builds one `Call` per request, which holds what the steps read and runs
 them in order: authenticate, read, inspect, admit, forward, relay. The operator routes
 (fleet control, the worker registry) leave the path after the route is known, for
-FleetControl.
+gateway/edge/fleet_control.py.
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-import orjson
-
 from gateway.contract import replies
 from gateway.contract.inspection import check_headers, inspect_body
 from gateway.contract.policy import (
@@ -32,32 +30,13 @@ from gateway.contract.policy import (
     Rejection,
 )
 from gateway.contract.replies import Outcome
-from gateway.contract.routes import (
-    ADDRESSABLE_ROUTES,
-    ADDRESSED_PATH,
-    Family,
-    Kind,
-    Route,
-    RouteTable,
-    addressed,
-    canonical_path,
-)
+from gateway.contract.routes import Family, Kind, Route, RouteTable, canonical_path
 from gateway.contract.skim import SKIM_MIN_BODY
-from gateway.edge import registry_api
 from gateway.edge.admission import inspect_large
 from gateway.edge.auth import ApiKeys
 from gateway.edge.budget import InspectionBudget, parse_cost
-from gateway.edge.control import (
-    BackendResult,
-    ControlAccess,
-    ControlCall,
-    FanOut,
-    apply_state,
-    log_action,
-    relayed,
-    reply_body,
-    updated_weights,
-)
+from gateway.edge.control import ControlAccess
+from gateway.edge.fleet_control import FleetControl
 from gateway.edge.headers import (
     REQUEST_ID,
     SERVER,
@@ -77,17 +56,15 @@ from gateway.edge.upstream import (
 from gateway.fleet.capability import Admission, Needs
 from gateway.fleet.membership import Fleet
 from gateway.fleet.pool import Backend
-from gateway.fleet.shared import SharingFailed
 from gateway.ops.observe import USER_AGENT_MAX, Exchange, Observer
 from gateway.ops.redact import describe
-from gateway.runtime import Unstoppable
 
 USER_AGENT: Final = "User-Agent"
 TRACEPARENT: Final = "traceparent"
 
 log = logging.getLogger("gateway.edge.proxy")
 
-# Routes only operators may call, answered by FleetControl.
+# Routes only operators may call, answered by gateway/edge/fleet_control.py.
 _OPERATOR_KINDS: Final = (Kind.CONTROL, Kind.REGISTRY)
 _NO_RIDS: Final[tuple[str, ...]] = ()
 
@@ -618,274 +595,3 @@ def _printable(text: str) -> str:
     """Header bytes that are not UTF-8 come from the parser as lone surrogates, which no
     JSON encoder takes: logged as U+FFFD instead."""
     return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-
-
-# -- fleet control -------------------------------------------------------------------
-
-# How long a weight update's reply waits for each engine's /model_info.
-_VERSION_READ_S: Final = 10.0
-
-
-class RidOwners:
-    """rid -> the backend serving it, for requests in flight: an abort of a known rid goes
-    to its owner alone."""
-
-    __slots__ = ("_by_rid",)
-
-    def __init__(self) -> None:
-        self._by_rid: dict[str, str] = {}
-
-    def __len__(self) -> int:
-        return len(self._by_rid)
-
-    def claim(self, rids: Sequence[str], url: str) -> None:
-        """The attempt on `url` serves `rids` from now on."""
-        by_rid = self._by_rid
-        for rid in rids:
-            by_rid[rid] = url
-
-    def release(self, rids: Sequence[str], url: str) -> None:
-        """The attempt on `url` ended: forget the rids it still owns (a later attempt
-        elsewhere may own them already)."""
-        by_rid = self._by_rid
-        for rid in rids:
-            if by_rid.get(rid) == url:
-                del by_rid[rid]
-
-    def owner(self, rid: str) -> str | None:
-        return self._by_rid.get(rid)
-
-
-class FleetControl:
-    """Answers the control and registry routes for one gateway process."""
-
-    def __init__(self, upstream: Upstream, fleet: Fleet) -> None:
-        self._fleet = fleet
-        self._pool = fleet.pool
-        self.fanout = FanOut(upstream)
-        self.owners = RidOwners()
-        self._runs = Unstoppable()
-
-    async def handle(self, call: Call, route: Route) -> Reply | None:
-        """Answer `call`, on the control or registry route `route`."""
-        caller = self._caller(call, route)
-        if isinstance(caller, Reply):
-            return caller
-        engine_path: tuple[str, str] | None = None  # an addressed call's worker and path
-        if route.path == ADDRESSED_PATH:
-            found = self._addressable(call, route)
-            if isinstance(found, Reply):
-                return found
-            engine_path = found
-        elif call.request.method not in route.methods:
-            return call.wrong_method(route.methods)
-        body = await call.read()
-        if isinstance(body, Reply):
-            return body
-        if route.kind is Kind.REGISTRY:
-            return await self._registry(call, route, caller, body)
-        targets = self._targets(call, route, engine_path, body)
-        if isinstance(targets, Reply):
-            return targets
-        return await self._fan_out(call, route, caller, targets, body)
-
-    def _caller(self, call: Call, route: Route) -> str | Reply:
-        """How the caller is allowed ("key" or "trusted"), or the refusal."""
-        request = call.request
-        access = call.settings.control_access
-        via_proxy = relayed(request.headers)
-        caller = access.caller(
-            request.headers.get("Authorization"), request.remote, relayed=via_proxy
-        )
-        if caller is not None:
-            return caller
-        self.fanout.count(route.path, "forbidden")
-        message = (
-            "Fleet control routes need an operator key (control.keys) or a caller from "
-            "control.trusted_cidrs."
-        )
-        if via_proxy and access.trusted_address(request.remote):
-            message = (
-                "This request was relayed by a proxy (it carries forwarding headers), so "
-                "the address it comes from vouches for no caller: fleet control through a "
-                "proxy needs an operator key (control.keys)."
-            )
-        denied = Rejection(403, "control", "forbidden", message)
-        return call.reject(denied, close=request.body_exists)
-
-    def _addressable(self, call: Call, route: Route) -> tuple[str, str] | Reply:
-        """The worker and engine path an addressed call names, or the refusal of a path
-        outside the fixed list (never forwarded, whatever it would reach)."""
-        found = addressed(canonical_path(call.raw_path.partition("?")[0]))
-        assert found is not None  # the route table matched /workers/{id}/...
-        methods = ADDRESSABLE_ROUTES.get(found[1])
-        if methods is None:
-            self.fanout.count(route.path, "refused")
-            refused = Rejection(
-                404,
-                "control",
-                "not_addressable",
-                "Only an engine's own control calls can be sent to one worker, as "
-                "/workers/{id}/<path>; generation and every other route go to their own path, "
-                "where they are inspected. Allowed paths: " + ", ".join(ADDRESSABLE_ROUTES) + ".",
-            )
-            return call.reject(refused, close=call.request.body_exists)
-        if call.request.method not in methods:
-            return call.wrong_method(methods)
-        return found
-
-    async def _registry(self, call: Call, route: Route, caller: str, body: bytes) -> Reply:
-        request, exchange, fanout = call.request, call.exchange, self.fanout
-        status, answer, change = registry_api.handle(
-            self._fleet, request.method, route.path, call.raw_path, body
-        )
-        try:
-            await self._fleet.share(change)
-        except SharingFailed as exc:
-            fanout.count(route.path, "unshared")
-            exchange.detail = "unshared"
-            reply = {
-                "detail": _unshared_detail("The registry change was made", exc),
-                "shared": False,
-                "result": orjson.loads(answer),
-            }
-            return call.reply(503, orjson.dumps(reply), Outcome.CONTROL_FAILED)
-        result = "ok" if status < 400 else "failed"
-        fanout.count(route.path, result)
-        if request.method != "GET":
-            log.info(
-                "registry %s %s by %s (%s): %d",
-                request.method,
-                route.path,
-                caller,
-                request.remote or "-",
-                status,
-            )
-        outcome = Outcome.OK if status < 400 else Outcome.REJECTED
-        if outcome is Outcome.REJECTED:
-            exchange.rejected_by = "registry"
-            exchange.reason = "invalid" if status == 400 else "not_found"
-        return call.reply(status, answer, outcome)
-
-    def _targets(
-        self, call: Call, route: Route, engine_path: tuple[str, str] | None, body: bytes
-    ) -> tuple[list[str], str] | Reply:
-        """The backends a control call goes to, and the target each one gets."""
-        raw_path = call.raw_path
-        target = raw_path
-        if engine_path is not None:
-            worker, path = engine_path
-            backend = self._pool.find(worker)
-            if backend is None:
-                self.fanout.count(route.path, "failed")
-                missing = replies.render(Family.PLAIN, 404, f"No worker {worker!r}.")
-                return call.reply(404, missing, Outcome.NOT_FOUND)
-            urls = [backend.url]
-            # The path as checked, never as sent: the engine must match exactly what was
-            # allowed, whatever spelling reached the gateway.
-            query = raw_path.partition("?")[2]
-            target = path + "?" + query if query else path
-        else:
-            urls = [b.url for b in self._pool.backends]
-            if route.path == "/abort_request":
-                owner = self._abort_owner(body)
-                if owner is not None and owner in urls:
-                    urls = [owner]
-        if not urls:
-            self.fanout.count(route.path, "failed")
-            return call.unavailable(Outcome.NO_BACKEND)
-        return urls, target
-
-    async def _fan_out(
-        self, call: Call, route: Route, caller: str, targets: tuple[list[str], str], body: bytes
-    ) -> Reply:
-        request, settings, exchange = call.request, call.settings, call.exchange
-        urls, target = targets
-        headers = settings.control_forwarding.upstream(
-            request.headers.items(),
-            peer=request.remote,
-            scheme=request.scheme,
-            request_id=exchange.request_id,
-        )
-        exchange.first_byte = time.perf_counter()
-        control = ControlCall(
-            request.method,
-            target,
-            headers,
-            body if request.body_exists else None,
-            connect_s=settings.connect_s,
-            timeout_s=settings.control_timeout,
-        )
-        # Run to its end even if the caller goes away: the engines act on the call either
-        # way, so what the gateway records of them (and shares) must follow.
-        results, unshared = await self._runs.run(
-            self._run(urls, control, log_as=(route.path, caller, request.remote))
-        )
-        ok = all(r.ok for r in results)
-        exchange.attempts = len(results)
-        if unshared is not None:
-            # Never the engines' plain answer: that would read as the whole gateway knowing.
-            self.fanout.count(route.path, "unshared")
-            exchange.detail = "unshared"
-            reply = orjson.loads(reply_body(results))
-            reply.update(
-                success=False,
-                shared=False,
-                detail=_unshared_detail("The engines listed acted on the call", unshared),
-            )
-            return call.reply(503, orjson.dumps(reply), Outcome.CONTROL_FAILED)
-        self.fanout.count(route.path, "ok" if ok else "failed")
-        if route.path == ADDRESSED_PATH:
-            (only,) = results
-            exchange.backend = only.url
-            if only.status:  # the engine's own answer, relayed as it came
-                resp = call.reply(
-                    only.status, only.raw, Outcome.OK if ok else Outcome.CONTROL_FAILED
-                )
-                resp.content_type = only.content_type.partition(";")[0] or "application/json"
-                return resp
-        return call.reply(
-            200 if ok else 502,
-            reply_body(results),
-            Outcome.OK if ok else Outcome.CONTROL_FAILED,
-        )
-
-    async def _run(
-        self, urls: list[str], call: ControlCall, *, log_as: tuple[str, str, str | None]
-    ) -> tuple[list[BackendResult], SharingFailed | None]:
-        """Fan one control call out, then record and share what it did to the engines; the
-        results, and why the change could not be shared with the other workers, if not."""
-        results = await self.fanout.call(urls, call)
-        log_action(*log_as, results)
-        try:
-            # Shared before the read-back below, which may take a while.
-            await self._fleet.share(apply_state(self._pool, call.target, call.body or b"", results))
-            if updated := updated_weights(call.target, results):
-                # The engine's own word on what it now serves, over what the call asked for.
-                timeout_s = min(call.timeout_s, _VERSION_READ_S)
-                await self._fleet.share(await self._fleet.confirm_versions(updated, timeout_s))
-        except SharingFailed as exc:
-            return results, exc
-        return results, None
-
-    def _abort_owner(self, body: bytes) -> str | None:
-        """The backend serving the one rid an abort names, if this gateway routed it there.
-        An abort of all, of a list, or of an unknown rid (queued anywhere, or routed by
-        another gateway process) goes to every backend."""
-        try:
-            parsed = orjson.loads(body) if body else None
-        except orjson.JSONDecodeError:
-            return None
-        if not isinstance(parsed, dict) or parsed.get("abort_all"):
-            return None
-        rid = parsed.get("rid")
-        return self.owners.owner(rid) if isinstance(rid, str) else None
-
-
-def _unshared_detail(done: str, exc: SharingFailed) -> str:
-    return (
-        f"{done}, and this gateway process routes by it, but it could not be shared with "
-        f"the gateway's other worker processes ({exc.reason}): they route as before. The "
-        "next change that is shared replaces it in this process too. Repeat the call once "
-        "the state can be written."
-    )

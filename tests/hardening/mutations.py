@@ -347,7 +347,7 @@ MUTATIONS = [
     ),
     (
         "control call sent to one backend",
-        "gateway/edge/proxy.py",
+        "gateway/edge/fleet_control.py",
         "            urls = [b.url for b in self._pool.backends]\n",
         "            urls = [b.url for b in self._pool.backends][:1]\n",
         ["tests/edge/test_control.py::test_each_control_call_reaches_every_backend_once"],
@@ -635,7 +635,7 @@ MUTATIONS = [
     # -- Hardening III (issue 26) -------------------------------------------------------------
     (
         "an addressed call may name any path",
-        "gateway/edge/proxy.py",
+        "gateway/edge/fleet_control.py",
         "        methods = ADDRESSABLE_ROUTES.get(found[1])\n",
         '        methods = ADDRESSABLE_ROUTES.get(found[1], frozenset({"GET", "POST", "PUT"}))\n',
         [
@@ -644,7 +644,7 @@ MUTATIONS = [
     ),
     (
         "an addressed call forwarded as spelled, not as checked",
-        "gateway/edge/proxy.py",
+        "gateway/edge/fleet_control.py",
         '            target = path + "?" + query if query else path\n',
         '            target = raw_path[len("/workers/") + len(worker) :]\n',
         [
