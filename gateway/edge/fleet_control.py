@@ -235,12 +235,7 @@ class FleetControl:
     ) -> Reply:
         request, settings, exchange = call.request, call.settings, call.exchange
         urls, target = targets
-        headers = settings.control_forwarding.upstream(
-            request.headers.items(),
-            peer=request.remote,
-            scheme=request.scheme,
-            request_id=exchange.request_id,
-        )
+        headers = call.upstream_headers(settings.control_forwarding)
         exchange.first_byte = time.perf_counter()
         control = ControlCall(
             request.method,

@@ -215,7 +215,7 @@ class Call:
     Each step passes the request on or answers it.
     """
 
-    __slots__ = ("exchange", "family", "proxy", "raw_path", "request", "rids", "route", "settings")
+    __slots__ = ("exchange", "proxy", "request", "rids", "route", "settings")
 
     def __init__(
         self,
@@ -229,11 +229,20 @@ class Call:
         self.request = request
         self.settings = settings
         self.route = route
-        self.raw_path = request.raw_path
         self.exchange = exchange
-        self.family = route.family if route is not None else Family.PLAIN
         # SGLang's request ids in the body: who serves them, for aborts (inspected routes).
         self.rids: Sequence[str] = _NO_RIDS
+
+    @property
+    def raw_path(self) -> str:
+        """The request target as sent: path and query."""
+        return self.request.raw_path
+
+    @property
+    def family(self) -> Family:
+        """The shape of the route's error bodies."""
+        route = self.route
+        return route.family if route is not None else Family.PLAIN
 
     async def run(self) -> Reply | None:
         route = self.route
@@ -252,16 +261,21 @@ class Call:
         body = await self.read()
         if isinstance(body, Reply):
             return body
+        verdict: Rejection | MaskDemand | None = None
+        if route.inspected:
+            cost = self.budget_now(body)
+            if cost is not None:  # most bodies: inspected at once, with nothing awaited
+                verdict = self.inspect(route.kind, body, cost)
+            else:
+                verdict = await self.inspect_large(route.kind, body)
         # What a backend must have for it: the weights it asks for, a mask it may hold.
         version = self.wanted_version()
         needs = None if version is None else Needs(version)
-        if route.inspected:
-            verdict = await self.inspect(route.kind, body)
-            if verdict is not None:
-                admitted = self.admit(verdict, needs)
-                if isinstance(admitted, Reply):
-                    return admitted
-                needs = admitted
+        if verdict is not None:
+            admitted = self.admit(verdict, needs)
+            if isinstance(admitted, Reply):
+                return admitted
+            needs = admitted
         return await self.forward(body, needs)
 
     # -- the steps -----------------------------------------------------------------------
@@ -330,32 +344,44 @@ class Call:
         self.exchange.bytes_in = len(body)
         return body
 
-    async def inspect(self, kind: Kind, body: bytes) -> Rejection | MaskDemand | None:
-        """The policy's verdict on the body; the request ids it names go to `rids`."""
-        settings, budget = self.settings, self.proxy.budget
-        rids: list[str] = []
-        self.rids = rids
+    def budget_now(self, body: bytes) -> int | None:
+        """A small body's share of the inspection budget, taken now; None for a large body,
+        or when the budget has no room for it now (inspect_large waits for its share)."""
         # A large body's cost takes a pass over it (gateway/edge/budget.py): counted
         # once, by inspect_large, not here as well.
-        small = len(body) < SKIM_MIN_BODY
-        cost = parse_cost(body) if small else 0
-        if small and budget.try_acquire(cost):
-            # Most bodies: inspected at once, with nothing awaited on the way.
-            try:
-                return (self.proxy.traced_inspect or inspect_body)(
-                    kind,
-                    body,
-                    settings.admission,
-                    skip_parse_without_key=settings.skip_parse,
-                    rids=rids,
-                )
-            finally:
-                budget.release(cost)
+        if len(body) >= SKIM_MIN_BODY:
+            return None
+        cost = parse_cost(body)
+        return cost if self.proxy.budget.try_acquire(cost) else None
+
+    def inspect(self, kind: Kind, body: bytes, cost: int) -> Rejection | MaskDemand | None:
+        """The policy's verdict on a body whose share of the budget (`cost`) is taken; the
+        request ids it names go to `rids`."""
+        settings = self.settings
+        rids: list[str] = []
+        self.rids = rids
+        try:
+            return (self.proxy.traced_inspect or inspect_body)(
+                kind,
+                body,
+                settings.admission,
+                skip_parse_without_key=settings.skip_parse,
+                rids=rids,
+            )
+        finally:
+            self.proxy.budget.release(cost)
+
+    async def inspect_large(self, kind: Kind, body: bytes) -> Rejection | MaskDemand | None:
+        """The verdict on a large body (skimmed, gateway/edge/admission.py) or on one that
+        waits for its share of the budget."""
+        settings = self.settings
+        rids: list[str] = []
+        self.rids = rids
         return await (self.proxy.traced_inspect_large or inspect_large)(
             kind,
             body,
             settings.admission,
-            budget,
+            self.proxy.budget,
             wait_s=settings.queue_timeout,
             skip_parse_without_key=settings.skip_parse,
             rids=rids,
@@ -400,14 +426,10 @@ class Call:
     async def forward(self, body: bytes, needs: Needs | None) -> Reply | None:
         """Send the request to a backend that has what it `needs` (another one after a
         connection that failed, up to the attempts allowed) and relay the answer."""
-        request, settings, exchange, proxy = self.request, self.settings, self.exchange, self.proxy
-        pool, rids = proxy.pool, self.rids
-        headers = settings.forwarding.upstream(
-            request.headers.items(),
-            peer=request.remote,
-            scheme=request.scheme,
-            request_id=exchange.request_id,
-        )
+        request, settings, exchange = self.request, self.settings, self.exchange
+        proxy, rids = self.proxy, self.rids
+        pool = proxy.pool
+        headers = self.upstream_headers(settings.forwarding)
         data = body if request.body_exists else None
         key = request.headers.get(settings.hash_header) if settings.hash_header else None
         tried: list[Backend] = []
@@ -426,7 +448,7 @@ class Call:
                     upstream = await proxy.upstream.request(
                         backend.url,
                         request.method,
-                        self.raw_path,
+                        request.raw_path,
                         headers,
                         data,
                         connect_s=settings.connect_s,
@@ -438,11 +460,7 @@ class Call:
                     if failed is not None:
                         return failed
                 else:
-                    pool.response(backend, upstream.status)
-                    # Headers are in: from now on bound the silence between chunks, not the
-                    # (much longer) wait for the first byte.
-                    upstream.set_idle_timeout(settings.idle_s)
-                    await self.relay(upstream, backend.weight_version)
+                    await self.relay(upstream, backend)
                     return None
             finally:
                 pool.release(backend)
@@ -473,8 +491,14 @@ class Call:
         # dropped it. Never replay a generation that may have started.
         return self._upstream_failed(502, Outcome.UPSTREAM_ERROR)
 
-    async def relay(self, upstream: UpstreamResponse, weight_version: str | None) -> None:
+    async def relay(self, upstream: UpstreamResponse, backend: Backend) -> None:
+        """Stream `backend`'s answer, whose head just came, to the client as it arrives."""
         request, exchange = self.request, self.exchange
+        self.proxy.pool.response(backend, upstream.status)
+        # Headers are in: from now on bound the silence between chunks, not the (much
+        # longer) wait for the first byte.
+        upstream.set_idle_timeout(self.settings.idle_s)
+        weight_version = backend.weight_version
         exchange.first_byte = time.perf_counter()
         exchange.status = upstream.status
         length = upstream.content_length
@@ -517,6 +541,17 @@ class Call:
                 # Closing (not releasing) the connection is what tells SGLang the client
                 # is gone, so it aborts the generation instead of finishing it for nobody.
                 upstream.close()
+
+    def upstream_headers(self, forwarding: ForwardedHeaders) -> list[tuple[str, str]]:
+        """The request's headers as a backend gets them (hop-by-hop ones dropped,
+        forwarding ones added by `forwarding`'s rules)."""
+        request = self.request
+        return forwarding.upstream(
+            request.headers.items(),
+            peer=request.remote,
+            scheme=request.scheme,
+            request_id=self.exchange.request_id,
+        )
 
     # -- gateway-made replies ------------------------------------------------------------
 
