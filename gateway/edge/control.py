@@ -10,6 +10,10 @@ many is never hidden.
 Only operators may call these routes: a key from `control.keys` or a caller from
 `control.trusted_cidrs`; a client key (auth.keys) never grants control. Every call is logged
 with its caller and each backend's status, and counted.
+
+This module holds the parts: who may call, the fan-out, and what a call does to the
+engines' state (written by gateway/fleet/engines.py). gateway/edge/fleet_control.py
+answers the routes with them.
 """
 
 from __future__ import annotations

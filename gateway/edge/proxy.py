@@ -245,6 +245,7 @@ class Call:
         return route.family if route is not None else Family.PLAIN
 
     async def run(self) -> Reply | None:
+        """The steps in order: the gateway's reply, or None once the backend's was relayed."""
         route = self.route
         if route is not None and route.kind in _OPERATOR_KINDS:
             # Operators only, by their own keys or address: a client key grants nothing here.

@@ -1,9 +1,10 @@
 """Backend state and membership: who can take the next request.
 
 One pool owns all mutable per-backend state (health, in-flight count, passive ejection)
-and the membership, which discovery replaces with immutable snapshots. Balancers only
-choose among the candidates it offers. No I/O here: the prober and the proxy report
-outcomes in, the pool decides.
+and the membership, which discovery replaces with immutable snapshots; the engine state a
+Backend carries (paused, asleep, weight version) is written by gateway/fleet/engines.py.
+Balancers only choose among the candidates it offers. No I/O here: the prober and the
+proxy report outcomes in, the pool decides.
 """
 
 from __future__ import annotations
