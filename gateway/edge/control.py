@@ -29,6 +29,7 @@ import orjson
 
 from gateway.edge.auth import ApiKeys
 from gateway.edge.failures import ConnectFailed, UpstreamFailure, UpstreamTimeout
+from gateway.edge.headers import peer_in
 from gateway.edge.upstream import Upstream, UpstreamResponse
 from gateway.fleet import engines
 from gateway.fleet.pool import BackendPool, worker_id
@@ -74,13 +75,7 @@ class ControlAccess:
         return None
 
     def trusted_address(self, peer: str | None) -> bool:
-        if peer is None or not self.trusted:
-            return False
-        try:
-            addr = ipaddress.ip_address(peer)
-        except ValueError:
-            return False
-        return any(addr in net for net in self.trusted)
+        return peer_in(peer, self.trusted)
 
 
 # Headers a proxy adds to what it relays (RFC 7239, the de facto X- forms, RFC 9110 Via): a

@@ -60,6 +60,17 @@ def _connection_tokens(headers: Iterable[tuple[str, str]]) -> frozenset[str]:
     return frozenset(tokens)
 
 
+def peer_in(peer: str | None, networks: tuple[Network, ...]) -> bool:
+    """Whether a peer address (as the transport gives it) lies in one of `networks`."""
+    if peer is None or not networks:
+        return False
+    try:
+        addr = ipaddress.ip_address(peer)
+    except ValueError:
+        return False
+    return any(addr in net for net in networks)
+
+
 def valid_request_id(value: str | None) -> bool:
     return value is not None and _REQUEST_ID_OK.match(value) is not None
 
@@ -84,15 +95,6 @@ class ForwardedHeaders:
         # The client's key for the gateway is not a credential for the backend.
         self._drop = _REQUEST_DROP | {"authorization"} if replace else _REQUEST_DROP
 
-    def _is_trusted(self, peer: str | None) -> bool:
-        if not self._trusted or peer is None:
-            return False
-        try:
-            addr = ipaddress.ip_address(peer)
-        except ValueError:
-            return False
-        return any(addr in net for net in self._trusted)
-
     def upstream(
         self,
         headers: Mapping[str, str] | Iterable[tuple[str, str]],
@@ -112,7 +114,7 @@ class ForwardedHeaders:
             out.append(("Authorization", self._authorization))
         forwarded_for = peer or ""
         forwarded_proto = scheme
-        if self._is_trusted(peer):
+        if peer_in(peer, self._trusted):
             # A trusted load balancer in front: extend its chain instead of replacing it.
             prior = [v for k, v in items if k.lower() == "x-forwarded-for"]
             if prior:
