@@ -292,7 +292,9 @@ expect() {
 }
 gw=http://127.0.0.1:$gw_port
 for _ in $(seq 30); do
-  [ "$(http "http://127.0.0.1:$gw_admin/readyz" | head -n 1)" = 200 ] && break
+  # Captured whole: a pipe into head would close under the reply and break the writer.
+  ready=$(http "http://127.0.0.1:$gw_admin/readyz" || true)
+  [ "${ready%%$'\n'*}" = 200 ] && break
   sleep 0.5
 done
 expect 200 "http://127.0.0.1:$gw_admin/readyz" >/dev/null
