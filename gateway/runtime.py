@@ -15,9 +15,10 @@ import logging
 import os
 import resource
 import signal
+import socket
 import sys
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Final, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, Final, Protocol, TypeVar
 
 log = logging.getLogger("gateway.runtime")
 T = TypeVar("T")
@@ -34,6 +35,19 @@ def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
         return None
     factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
     return factory
+
+
+class ListeningServer(Protocol):
+    """What create_server returns, on either loop: asyncio's Server, or uvloop's, which is
+    no asyncio.Server and whose `sockets` is a list. Compiled code checks annotations at run
+    time (gateway/build.py), so a listener's server is typed by what it is used for."""
+
+    @property
+    def sockets(self) -> Sequence[socket.socket]: ...
+
+    def close(self) -> None: ...
+
+    async def wait_closed(self) -> None: ...
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:

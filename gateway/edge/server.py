@@ -50,6 +50,7 @@ from gateway.contract.routes import Family
 from gateway.edge import http1
 from gateway.edge.headers import SERVER
 from gateway.ops.redact import describe
+from gateway.runtime import ListeningServer
 
 log = logging.getLogger("gateway.listener")
 
@@ -944,7 +945,7 @@ class Listener:
         self.refused: dict[int, int] = {}  # requests the parser refused, by status
         self.full_reply = _full_reply()
         self.loop = asyncio.get_running_loop()
-        self._server: asyncio.Server | None = None
+        self._server: ListeningServer | None = None
         self.port = 0
 
     @property
@@ -958,7 +959,7 @@ class Listener:
         self.refused[status] = self.refused.get(status, 0) + 1
 
     async def start(self, host: str, port: int, *, reuse_port: bool, backlog: int) -> None:
-        server = await self.loop.create_server(
+        server: ListeningServer = await self.loop.create_server(
             lambda: _Connection(self),
             host,
             port,
