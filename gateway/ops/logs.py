@@ -255,8 +255,11 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        if record.exc_info and record.exc_info[1] is not None:
-            out["error"] = describe(record.exc_info[1])
+        # Read untyped: logging keeps a falsy exc_info as given (asyncio passes False), not
+        # the tuple or None typeshed says, and compiled code would check that type.
+        exc_info = vars(record).get("exc_info")
+        if exc_info and exc_info[1] is not None:
+            out["error"] = describe(exc_info[1])
         return orjson.dumps(out).decode()
 
 
