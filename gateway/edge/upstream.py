@@ -18,6 +18,8 @@ from collections import deque
 from typing import TYPE_CHECKING, Final
 from urllib.parse import urlsplit
 
+from mypy_extensions import mypyc_attr
+
 from gateway.edge.failures import (
     ConnectFailed,
     UpstreamBroken,
@@ -191,6 +193,8 @@ class UpstreamResponse:
         return proto
 
 
+# Compiled, a class takes no Python subclass unless it says so: tracing.TracedUpstream is one.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Upstream:
     """Keep-alive connections to the backends, reused newest first."""
 
