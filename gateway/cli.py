@@ -30,6 +30,15 @@ _MIN_AIOHTTP = (3, 14, 2)
 log = logging.getLogger("gateway")
 
 
+class _Version(argparse.Action):
+    """build.describe() as one line: argparse's own version action wraps it to the terminal,
+    and scripts grep it (scripts/image-check.sh)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        print(build.describe())
+        parser.exit()
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="sglang-gateway",
@@ -37,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
         "forwards everything else byte for byte. Subcommands: 'demo' (stub + gateway), "
         "'stub' (the bundled SGLang-compatible stub backend).",
     )
-    p.add_argument("--version", action="version", version=build.describe())
+    p.add_argument("--version", action=_Version, nargs=0, help="print the version and exit")
     p.add_argument("--config", metavar="FILE", help="YAML config file (see config/)")
     p.add_argument(
         "--backend",
@@ -122,6 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem:
         log.error("%s", problem)
         return 1
+    if args.worker_index is None:  # the supervisor, or the only process, says it once
+        log.info("sglang-gateway %s: %s", build.VERSION, build.describe_build())
     tune_malloc()
     from gateway.app import serve  # noqa: PLC0415 - keeps --check-config light
     from gateway.edge.control import trust_warning  # noqa: PLC0415

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
 import signal
 import socket
@@ -17,12 +18,27 @@ import aiohttp
 import orjson
 import pytest
 
+import gateway
+from gateway import build
 from gateway import config as config_mod
 from gateway.app import Gateway
 from gateway.fleet.discovery import Resolver
 from gateway.testing.stub import Received, StubBackend
 
 GatewayFactory = Callable[..., Awaitable[Gateway]]
+
+# scripts/check.sh says which build each of its runs is for; a run that imports the other
+# one would pass while testing the wrong code. tests/test_build.py checks each module.
+EXPECT_BUILD = os.environ.get("SGLANG_GATEWAY_EXPECT_BUILD")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if EXPECT_BUILD and build.BUILD != EXPECT_BUILD:
+        pytest.exit(
+            f"SGLANG_GATEWAY_EXPECT_BUILD={EXPECT_BUILD}, but this run imports the "
+            f"{build.BUILD} build ({build.BUILD_WHY}) from {Path(gateway.__file__).parent}",
+            returncode=3,
+        )
 
 
 def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

@@ -594,10 +594,13 @@ class FleetCollector(Collector):
         )
         info = GaugeMetricFamily(
             p + "build_info",
-            "1, labelled with the gateway's version, source revision, Python and aiohttp.",
-            labels=["version", "revision", "python", "aiohttp"],
+            "1, labelled with the gateway's version, source revision, Python, aiohttp and "
+            "build (compiled: the hot path compiled with mypyc; pure: all Python).",
+            labels=["version", "revision", "python", "aiohttp", "build"],
         )
-        info.add_metric([build.VERSION, build.REVISION, build.PYTHON, build.AIOHTTP], 1.0)
+        info.add_metric(
+            [build.VERSION, build.REVISION, build.PYTHON, build.AIOHTTP, build.BUILD], 1.0
+        )
         yield info
         refused = CounterMetricFamily(
             p + "malformed_requests",

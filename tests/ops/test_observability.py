@@ -20,6 +20,7 @@ import pytest
 from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway import build
 from gateway.app import Gateway
 from gateway.config import TimeoutsConfig
 from gateway.testing.stub import StubBackend
@@ -759,6 +760,8 @@ async def test_build_info_names_what_runs(gateway: Gateway, session: aiohttp.Cli
     assert labels["aiohttp"] == metadata.version("aiohttp")
     assert labels["python"] == platform.python_version()
     assert labels["revision"] == os.environ.get("SGLANG_GATEWAY_REVISION", "unknown")
+    assert labels["build"] == build.BUILD
+    assert build.BUILD in ("compiled", "pure")
 
 
 async def test_the_admin_listener_announces_the_gateway(
