@@ -92,8 +92,8 @@ def inspect_install(package: Path) -> tuple[str, str, tuple[str, ...]]:
     record_path = package / RECORD
     record = json.loads(record_path.read_text()) if record_path.exists() else None
     rebuild = (
-        "reinstall the package (pip install .), or delete the extension modules "
-        "(find gateway -name '*.so' -delete) to run the sources"
+        "reinstall the package (pip install .), or, to run the sources, delete the "
+        f"extension modules and any {RECORD} from {package}"
     )
     if record is None:
         if found:
