@@ -1,15 +1,59 @@
 #!/usr/bin/env bash
-# The whole test suite: format, lint, types, tests. Local runs and CI run exactly this.
-#   scripts/check.sh            bounded suite (minutes)
-#   scripts/check.sh --slow     also the long load and soak tests
+# The whole test suite: format, lint, types, then the tests on both builds (README,
+# "Builds"). Local runs and CI run exactly this.
+#   scripts/check.sh                 bounded suite (minutes)
+#   scripts/check.sh --slow          also the long load and soak tests
+#   scripts/check.sh --pure          the pure build only: a quicker loop while editing
+#   scripts/check.sh [...] TESTS...  those pytest arguments instead, on each build
+# The compiled build (mypyc, scripts/build-compiled.sh) runs every test; the pure build, the
+# editable .venv, runs the contract, edge and hardening tests and tests/test_build.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS=dev scripts/bootstrap.sh
 export PATH="$PWD/.venv/bin:$PATH"
 marker=(-m "not slow")
-if [ "${1:-}" = "--slow" ]; then marker=(); shift; fi
+builds=both
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --slow) marker=(); shift ;;
+    --pure) builds=pure; shift ;;
+    *) break ;;
+  esac
+done
+t0=$SECONDS
+mark() { echo "   ($((SECONDS - t0)) s)"; }
+
+# The wheel's C compile takes a core for a minute or two: it runs beside the linters, which
+# time nothing, and is waited for before the first test.
+if [ "$builds" = both ]; then
+  mkdir -p .build
+  scripts/build-compiled.sh >.build/build-compiled.log 2>&1 &
+  build_pid=$!
+fi
 echo "== ruff format --check"; ruff format --check gateway tests
 echo "== ruff check"; ruff check gateway tests
 echo "== mypy --strict gateway"; mypy
 echo "== validate-deploy"; scripts/validate-deploy.sh
-echo "== pytest"; python -m pytest -q -p no:cacheprovider "${marker[@]}" "$@"
+mark
+if [ "$builds" = both ]; then
+  echo "== compiled build (scripts/build-compiled.sh)"
+  if ! wait "$build_pid"; then
+    cat .build/build-compiled.log; echo "the compiled build failed" >&2; exit 1
+  fi
+  grep '^build-compiled:' .build/build-compiled.log
+  mark
+fi
+
+pure=("$@")
+[ $# -gt 0 ] || pure=(tests/contract tests/edge tests/hardening tests/test_build.py)
+echo "== pytest, pure build: ${pure[*]}"
+SGLANG_GATEWAY_EXPECT_BUILD=pure python -m pytest -q -p no:cacheprovider "${marker[@]}" "${pure[@]}"
+mark
+if [ "$builds" = both ]; then
+  echo "== pytest, compiled build: ${*:-all tests}"
+  # From a copy of tests/ beside no gateway/ (scripts/build-compiled.sh): only the
+  # compiled package can be imported, in every process the tests start.
+  (cd .build/compiled-run && SGLANG_GATEWAY_EXPECT_BUILD=compiled \
+    ../../.venv-compiled/bin/python -m pytest -q -p no:cacheprovider "${marker[@]}" "$@")
+  mark
+fi

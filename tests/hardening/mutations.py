@@ -7,10 +7,17 @@ Each mutation edits a temporary copy of gateway/ and tests/ (never the working t
 the tests named for it, and must make them fail. A mutation whose anchor text is no longer
 in the source is reported as "anchor moved" rather than silently skipped. Results of this
 session are in docs/hardening.md, section 6.
+
+Mutations run on the pure build only: they patch sources, and a compiled module (setup.py)
+would run instead of the patched source beside it. The copy takes the .py files and never
+an extension module or build record, and its tests import that copy whichever interpreter
+runs this (PYTHONPATH; .venv's or .venv-compiled's). The compiled build runs the same
+hardening tests unpatched (scripts/check.sh).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -1030,9 +1037,15 @@ def main(argv: list[str]) -> int:
         for part in ("gateway", "tests", "config", "deploy", "pyproject.toml"):
             src = ROOT / part
             if src.is_dir():
-                shutil.copytree(src, copy / part, ignore=shutil.ignore_patterns("__pycache__"))
+                shutil.copytree(
+                    src,
+                    copy / part,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so", "*.pyd", "_build.json"),
+                )
             else:
                 shutil.copy(src, copy / part)
+        env = {**os.environ, "SGLANG_GATEWAY_EXPECT_BUILD": "pure"}  # tests/conftest.py
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(copy), env.get("PYTHONPATH")]))
         for i, (name, path, old, new, tests) in enumerate(MUTATIONS):
             if only and str(i) not in only:
                 continue
@@ -1062,6 +1075,7 @@ def main(argv: list[str]) -> int:
                     text=True,
                     timeout=600,
                     check=False,
+                    env=env,
                 )
             finally:
                 for p, text in originals.items():
