@@ -6,7 +6,8 @@
 #     HEALTHCHECK, and both must exit 0 on `docker stop` (SIGTERM to PID 1);
 #   - a /generate through the gateway: 200 for a top_k mask, 400 for a top_p-only one;
 #   - uid/gid 10001, no pip or setuptools anywhere in the image, the OCI labels, and the
-#     REVISION build-arg in `sglang-gateway --version` and sglang_gateway_build_info;
+#     REVISION build-arg in `sglang-gateway --version` and sglang_gateway_build_info, and
+#     both saying the compiled build (mypyc; the build stage fails rather than ship pure);
 #   - docker/compose.yaml in Compose v1, which validate-deploy only runs where installed.
 # No image registry is needed: unless PYTHON_IMAGE names a base the daemon has or can pull,
 # a Debian bookworm base (its Python 3.11) is made here with debootstrap and imported.
@@ -201,6 +202,7 @@ label() { docker image inspect -f "{{index .Config.Labels \"org.opencontainers.i
 [ "$(label source)" = "$source" ] || fail "label source is '$(label source)', not $source"
 said=$(docker run --rm --network none "$IMAGE" --version)
 [[ $said == "sglang-gateway $version (revision $revision;"* ]] || fail "--version says: $said"
+[[ $said == *"; compiled build)" ]] || fail "the image is no compiled build: $said"
 [ "$(docker run --rm --network none --entrypoint id "$IMAGE" -u):$(docker run --rm --network none --entrypoint id "$IMAGE" -g)" = 10001:10001 ] \
   || fail "the image does not run as 10001:10001"
 # Anything that could install code: installed pip or setuptools for any interpreter, or a
@@ -303,6 +305,8 @@ expect 400 "$gw/generate" '{"text":"hi","sampling_params":{"top_p":0.9},"return_
 metrics=$(expect 200 "http://127.0.0.1:$gw_admin/metrics")
 grep -q "^sglang_gateway_build_info{.*revision=\"$revision\"" <<<"$metrics" \
   || fail "sglang_gateway_build_info does not carry revision $revision"
+grep -q '^sglang_gateway_build_info{.*build="compiled"' <<<"$metrics" \
+  || fail "sglang_gateway_build_info does not say build=\"compiled\""
 for c in "$stub" "$gateway"; do
   [ "$(docker exec "$c" id -u):$(docker exec "$c" id -g)" = 10001:10001 ] || fail "$c runs as $(docker exec "$c" id)"
   [ "$(docker inspect -f '{{.HostConfig.ReadonlyRootfs}}' "$c")" = true ] || fail "$c root is writable"
