@@ -27,8 +27,10 @@ mark() { echo "   ($((SECONDS - t0)) s)"; }
 # time nothing, and is waited for before the first test.
 if [ "$builds" = both ]; then
   mkdir -p .build
-  scripts/build-compiled.sh >.build/build-compiled.log 2>&1 &
+  # Its own process group, so a failing linter stops pip and gcc too.
+  setsid scripts/build-compiled.sh >.build/build-compiled.log 2>&1 &
   build_pid=$!
+  trap 'kill -- "-$build_pid" 2>/dev/null || true' EXIT
 fi
 echo "== ruff format --check"; ruff format --check gateway tests
 echo "== ruff check"; ruff check gateway tests

@@ -18,7 +18,6 @@ import aiohttp
 import orjson
 import pytest
 
-import gateway
 from gateway import build
 from gateway import config as config_mod
 from gateway.app import Gateway
@@ -36,7 +35,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if EXPECT_BUILD and build.BUILD != EXPECT_BUILD:
         pytest.exit(
             f"SGLANG_GATEWAY_EXPECT_BUILD={EXPECT_BUILD}, but this run imports the "
-            f"{build.BUILD} build ({build.BUILD_WHY}) from {Path(gateway.__file__).parent}",
+            f"{build.BUILD} build ({build.BUILD_WHY}) from {Path(build.__file__).parent}",
             returncode=3,
         )
 
