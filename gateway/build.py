@@ -29,7 +29,9 @@ from typing import Final
 #   - contract/policy.py, contract/inspection.py: they read Heads. Compiled, len(x), bool(x)
 #     and iteration of a value narrowed to `list` read the list's C struct and bypass Head's
 #     methods: len() of a Head standing for 100,000 input ids is 1, and iterating it yields
-#     one element instead of raising (measured with mypyc 2.4.1).
+#     one element instead of raising (mypyc 2.4.1). Tried: compiled, the policy takes a
+#     batch of two for a single request and forwards a mask it must refuse
+#     (tests/contract/test_policy.py, test_generate_batch, catches it).
 #   - edge/failures.py: a compiled exception class breaks `except A as exc: ...  except B
 #     as exc:` in compiled code (mypyc/mypyc#620: the variable gets A's type, and a B raises
 #     TypeError), which Proxy._forward does; none of its code runs per request.
