@@ -43,6 +43,7 @@ from typing import Final
 HOT_MODULES: Final = (
     "gateway.contract.routes",
     "gateway.edge.budget",
+    "gateway.edge.fleet_control",
     "gateway.edge.headers",
     "gateway.edge.proxy",
     "gateway.edge.relay",
