@@ -15,6 +15,14 @@ cd "$(dirname "$0")/.."
 EXTRAS=dev scripts/bootstrap.sh
 t0=$SECONDS
 
+# The test tree first: scripts/check.sh starts the pure build's tests (which write byte-code
+# into tests/) while the wheel builds.
+run=.build/compiled-run
+rm -rf "$run"
+mkdir -p "$run" .cache
+tar --exclude=__pycache__ -cf - tests pyproject.toml | tar -C "$run" -xf -
+for d in bench config deploy docker docs scripts README.md .cache; do ln -s "../../$d" "$run/$d"; done
+
 wheels=.build/wheel
 stamp=$( { find gateway -name '*.py' -o -name py.typed | LC_ALL=C sort
            echo setup.py pyproject.toml README.md; } | xargs sha256sum | sha256sum | cut -c1-16)
@@ -32,11 +40,5 @@ site() { "$1" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
 site .venv/bin/python >"$(site "$venv/bin/python")/_gateway_deps.pth"
 .venv/bin/python -m pip --python "$venv/bin/python" install -q --no-deps --force-reinstall "$wheel"
 
-run=.build/compiled-run
-rm -rf "$run"
-mkdir -p "$run" .cache
-cp -r tests pyproject.toml "$run/"
-find "$run/tests" -name __pycache__ -prune -exec rm -rf {} +
-for d in bench config deploy docker docs scripts README.md .cache; do ln -s "../../$d" "$run/$d"; done
 (cd "$run" && "../../$venv/bin/python" -c 'from gateway import build; print("build-compiled:", build.describe_build())')
 echo "build-compiled: ready in $((SECONDS - t0)) s"

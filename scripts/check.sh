@@ -23,12 +23,13 @@ done
 t0=$SECONDS
 mark() { echo "   ($((SECONDS - t0)) s)"; }
 
-# The wheel's C compile takes a core for a minute or two: it runs beside the linters, which
-# time nothing, and is waited for before the first test.
+# The wheel's C compile takes a core for a minute or two. It runs beside the linters and
+# the pure build's tests at the lowest priority, so that the tests' processes, some of them
+# timed, keep the CPU they would have without it; the compiled run waits for it.
 if [ "$builds" = both ]; then
   mkdir -p .build
-  # Its own process group, so a failing linter stops pip and gcc too.
-  setsid scripts/build-compiled.sh >.build/build-compiled.log 2>&1 &
+  # Its own process group, so a failing step stops pip and gcc too.
+  nice -n 19 setsid scripts/build-compiled.sh >.build/build-compiled.log 2>&1 &
   build_pid=$!
   trap 'kill -- "-$build_pid" 2>/dev/null || true' EXIT
 fi
@@ -37,14 +38,6 @@ echo "== ruff check"; ruff check gateway tests
 echo "== mypy --strict gateway"; mypy
 echo "== validate-deploy"; scripts/validate-deploy.sh
 mark
-if [ "$builds" = both ]; then
-  echo "== compiled build (scripts/build-compiled.sh)"
-  if ! wait "$build_pid"; then
-    cat .build/build-compiled.log; echo "the compiled build failed" >&2; exit 1
-  fi
-  grep '^build-compiled:' .build/build-compiled.log
-  mark
-fi
 
 pure=("$@")
 [ $# -gt 0 ] || pure=(tests/contract tests/edge tests/hardening tests/test_build.py)
@@ -52,6 +45,12 @@ echo "== pytest, pure build: ${pure[*]}"
 SGLANG_GATEWAY_EXPECT_BUILD=pure python -m pytest -q -p no:cacheprovider "${marker[@]}" "${pure[@]}"
 mark
 if [ "$builds" = both ]; then
+  echo "== compiled build (scripts/build-compiled.sh)"
+  if ! wait "$build_pid"; then
+    cat .build/build-compiled.log; echo "the compiled build failed" >&2; exit 1
+  fi
+  grep '^build-compiled:' .build/build-compiled.log
+  mark
   echo "== pytest, compiled build: ${*:-all tests}"
   # From a copy of tests/ beside no gateway/ (scripts/build-compiled.sh): only the
   # compiled package can be imported, in every process the tests start.
