@@ -112,7 +112,12 @@ def proxy_settings(cfg: GatewayConfig) -> ProxySettings:
         skip_parse=cfg.policy.skip_parse_without_mask_key,
         auth=keys,
         auth_exempt=frozenset(a.exempt_paths),
-        control_access=ControlAccess.build(control_keys, control.trusted_cidrs),
+        control_access=ControlAccess.build(
+            control_keys,
+            control.trusted_cidrs,
+            control.membership.trusted_cidrs,
+            client_abort=control.client_abort,
+        ),
         control_forwarding=ForwardedHeaders(
             cfg.forwarding.trusted_proxies,
             upstream_authorization=upstream_auth,

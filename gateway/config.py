@@ -350,9 +350,18 @@ class AuthConfig(_Model):
         return self
 
 
+class MembershipConfig(_Model):
+    """Who may register, list and remove workers (the registry routes) without a key: the
+    cluster's engines, which register themselves from their own nodes and send no header."""
+
+    # Empty by default: only operators change the membership.
+    trusted_cidrs: list[Cidr] = Field(default_factory=list)
+
+
 class ControlConfig(_Model):
     """Who may call the fleet control routes (pause, weight updates, abort...) and how long a
-    fanned-out call may take. A client key (auth.keys) never grants control."""
+    fanned-out call may take. A client key (auth.keys) grants one of them only: the abort of
+    a request by its rid (client_abort)."""
 
     # Operator bearer keys (prefer keys_file: rotated by editing it and sending SIGHUP).
     keys: list[Secret] = Field(default_factory=list)
@@ -362,6 +371,11 @@ class ControlConfig(_Model):
     trusted_cidrs: list[Cidr] = Field(default_factory=lambda: ["127.0.0.0/8", "::1/128"])
     # The deadline of one fanned-out call, per backend (a weight update from disk takes time).
     timeout_s: Seconds = 120.0
+    # Registration from the engines' network, with no key.
+    membership: MembershipConfig = MembershipConfig()
+    # Any client that may send generation requests may abort one by its rid (an agent
+    # cancelling its own rollout). Harmless to others only while rids are unguessable.
+    client_abort: bool = True
 
     @model_validator(mode="after")
     def _readable(self) -> ControlConfig:

@@ -7,9 +7,14 @@ the body byte for byte, each with its own deadline, and the reply lists what eve
 answered: 200 only when every one answered 2xx, else 502, so a failure on one engine of
 many is never hidden.
 
-Only operators may call these routes: a key from `control.keys` or a caller from
-`control.trusted_cidrs`; a client key (auth.keys) never grants control. Every call is logged
-with its caller and each backend's status, and counted.
+Three rights, each with its own grant. An operator (a key from `control.keys` or a
+caller from `control.trusted_cidrs`) may do everything. The cluster's engines, from
+`control.membership.trusted_cidrs`, may register, list and remove workers: they register
+themselves from their own nodes and cannot send a header. Any client that may send
+generation requests may abort one request by its rid (`control.client_abort`). Everything
+that acts on the fleet as a whole (abort_all, pause, weight updates...) stays the
+operator's; a client key never grants it. Every call is logged with its caller and each
+backend's status, and counted.
 
 This module holds the parts: who may call, the fan-out, and what a call does to the
 engines' state (written by gateway/fleet/engines.py). gateway/edge/fleet_control.py
@@ -27,6 +32,7 @@ from typing import Any, Final
 
 import orjson
 
+from gateway.contract.routes import REGISTRY_ROUTES, WORKER_PATH
 from gateway.edge.auth import ApiKeys
 from gateway.edge.failures import ConnectFailed, UpstreamFailure, UpstreamTimeout
 from gateway.edge.headers import peer_in
@@ -47,16 +53,28 @@ Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 @dataclass(frozen=True, slots=True)
 class ControlAccess:
-    """Who may call control routes."""
+    """Who may call control routes: operators (`keys`, `trusted`), the engines' network for
+    membership (`members`), clients for the abort of one rid (`client_abort`)."""
 
     keys: ApiKeys | None
     trusted: tuple[Network, ...]
+    members: tuple[Network, ...] = ()
+    client_abort: bool = True
 
     @classmethod
-    def build(cls, keys: Sequence[str], trusted_cidrs: Iterable[str]) -> ControlAccess:
+    def build(
+        cls,
+        keys: Sequence[str],
+        trusted_cidrs: Iterable[str],
+        membership_cidrs: Iterable[str] = (),
+        *,
+        client_abort: bool = True,
+    ) -> ControlAccess:
         return cls(
             ApiKeys(keys) if keys else None,
-            tuple(ipaddress.ip_network(c, strict=False) for c in trusted_cidrs),
+            _networks(trusted_cidrs),
+            _networks(membership_cidrs),
+            client_abort,
         )
 
     def caller(
@@ -76,6 +94,46 @@ class ControlAccess:
 
     def trusted_address(self, peer: str | None) -> bool:
         return peer_in(peer, self.trusted)
+
+    def member(self, peer: str | None, *, relayed: bool = False) -> bool:
+        """Whether the caller may change and read the membership by its address alone: the
+        same rule as an operator's address, relayed requests never vouched for."""
+        return not relayed and peer_in(peer, self.members)
+
+
+def _networks(cidrs: Iterable[str]) -> tuple[Network, ...]:
+    return tuple(ipaddress.ip_network(c, strict=False) for c in cidrs)
+
+
+# The registry routes that read or change the membership, which the engines' network may
+# call. The per-engine paths answered beside them (a weight update group) are an operator's.
+MEMBERSHIP_ROUTES: Final = frozenset({*REGISTRY_ROUTES, WORKER_PATH})
+# A client's abort names one rid in a small object; anything larger is not one.
+CLIENT_ABORT_MAX_BYTES: Final = 64 << 10
+
+
+def names_one_rid(body: bytes) -> bool:
+    """Whether an /abort_request body aborts one request by its rid and nothing else: a JSON
+    object with a non-empty string `rid`, and `abort_all` and `prefix` absent or false.
+
+    Fails closed: SGLang reads `abort_all` as a lax bool ("true", 1 and "yes" abort all), so
+    any value other than false is the fleet-wide abort here, as is a body orjson cannot
+    read (SGLang's JSON parser accepts some that orjson refuses, such as a UTF-16 body)."""
+    if len(body) > CLIENT_ABORT_MAX_BYTES:
+        return False
+    try:
+        parsed = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError:
+        return False
+    if not isinstance(parsed, dict):
+        return False
+    rid = parsed.get("rid")
+    return (
+        isinstance(rid, str)
+        and rid != ""
+        and parsed.get("abort_all", False) is False
+        and parsed.get("prefix", False) is False
+    )
 
 
 # Headers a proxy adds to what it relays (RFC 7239, the de facto X- forms, RFC 9110 Via): a

@@ -1,13 +1,13 @@
 """The operator routes as one gateway process answers them: fleet control and the registry.
 
 The proxy hands over a Call on a control or registry route once its route is known. Here
-the caller is checked (an operator key or a trusted address, gateway/edge/control.py),
-the body read, and then either the worker registry answers (gateway/edge/registry_api.py)
-or the call goes to the engines it means: the one worker an address names, the one engine
-serving the rid an abort names, else every member. What a call did to the engines is
-recorded (gateway/fleet/engines.py, through control.apply_state) and shared with the
-other worker processes, and the reply says what each engine answered, or that the change
-could not be shared.
+the caller is checked (an operator; the engines' network on a membership route; a client
+on the abort of one rid: gateway/edge/control.py), the body read, and then either the
+worker registry answers (gateway/edge/registry_api.py) or the call goes to the engines it
+means: the one worker an address names, the one engine serving the rid an abort names,
+else every member. What a call did to the engines is recorded (gateway/fleet/engines.py,
+through control.apply_state) and shared with the other worker processes, and the reply
+says what each engine answered, or that the change could not be shared.
 
 The forward path records here which backend serves each rid in flight (RidOwners), so an
 abort of one rid reaches its owner alone.
@@ -36,11 +36,13 @@ from gateway.contract.routes import (
 )
 from gateway.edge import registry_api
 from gateway.edge.control import (
+    MEMBERSHIP_ROUTES,
     BackendResult,
     ControlCall,
     FanOut,
     apply_state,
     log_action,
+    names_one_rid,
     relayed,
     reply_body,
     updated_weights,
@@ -116,6 +118,9 @@ class FleetControl:
         body = await call.read()
         if isinstance(body, Reply):
             return body
+        if caller == _CLIENT and not names_one_rid(body):
+            self.fanout.count(route.path, "forbidden")
+            return call.reject(Rejection(403, "control", "forbidden", _FLEET_ABORT))
         if route.kind is Kind.REGISTRY:
             return await self._registry(call, route, caller, body)
         targets = self._targets(call, route, engine_path, body)
@@ -124,7 +129,9 @@ class FleetControl:
         return await self._fan_out(call, route, caller, targets, body)
 
     def _caller(self, call: Call, route: Route) -> str | Reply:
-        """How the caller is allowed ("key" or "trusted"), or the refusal."""
+        """How the caller is allowed: "key" or "trusted" (an operator), "member" (the
+        engines' network, on a membership route), "client" (an abort whose body must still
+        name one rid); or the refusal, naming the setting that would allow the call."""
         request = call.request
         access = call.settings.control_access
         via_proxy = relayed(request.headers)
@@ -133,17 +140,23 @@ class FleetControl:
         )
         if caller is not None:
             return caller
+        if route.path in MEMBERSHIP_ROUTES:
+            if access.member(request.remote, relayed=via_proxy):
+                return "member"
+            message = _MEMBERSHIP
+        elif route.path == "/abort_request":
+            if not access.client_abort:
+                self.fanout.count(route.path, "forbidden")
+                off = Rejection(403, "control", "client_abort_off", _CLIENT_ABORT_OFF)
+                return call.reject(off, close=request.body_exists)
+            if _may_generate(call):
+                return _CLIENT
+            message = _CLIENT_ABORT_KEY
+        else:
+            message = _OPERATOR
+        if via_proxy and (access.trusted_address(request.remote) or access.member(request.remote)):
+            message = _RELAYED
         self.fanout.count(route.path, "forbidden")
-        message = (
-            "Fleet control routes need an operator key (control.keys) or a caller from "
-            "control.trusted_cidrs."
-        )
-        if via_proxy and access.trusted_address(request.remote):
-            message = (
-                "This request was relayed by a proxy (it carries forwarding headers), so "
-                "the address it comes from vouches for no caller: fleet control through a "
-                "proxy needs an operator key (control.keys)."
-            )
         denied = Rejection(403, "control", "forbidden", message)
         return call.reject(denied, close=request.body_exists)
 
@@ -309,6 +322,52 @@ class FleetControl:
             return None
         rid = parsed.get("rid")
         return self.owners.owner(rid) if isinstance(rid, str) else None
+
+
+_CLIENT: Final = "client"
+
+
+def _may_generate(call: Call) -> bool:
+    """Whether the caller passes the client authentication a generation request needs."""
+    settings = call.settings
+    keys = settings.auth
+    if keys is None or "/abort_request" in settings.auth_exempt:
+        return True
+    return keys.check(call.request.headers.get("Authorization")) is None
+
+
+# Each refusal names what would allow the call.
+_OPERATOR: Final = (
+    "Fleet control routes need an operator key (control.keys) or a caller from "
+    "control.trusted_cidrs. control.membership.trusted_cidrs grants registering, listing and "
+    "removing workers only, and a client key only the abort of one request by its rid."
+)
+_MEMBERSHIP: Final = (
+    "Registering, listing and removing workers needs a caller from "
+    "control.membership.trusted_cidrs (the engines' network) or control.trusted_cidrs, or "
+    "an operator key (control.keys): add the caller's network to "
+    "control.membership.trusted_cidrs or use a control key."
+)
+_CLIENT_ABORT_OFF: Final = (
+    "Aborting a request by its rid is for operators here (control.client_abort is false): "
+    "set control.client_abort: true to let clients abort their requests, or use an operator "
+    "key (control.keys) or a caller from control.trusted_cidrs."
+)
+_CLIENT_ABORT_KEY: Final = (
+    "Aborting a request by its rid needs a client key (auth.keys), as generation does, or "
+    "an operator key (control.keys) or a caller from control.trusted_cidrs."
+)
+_FLEET_ABORT: Final = (
+    'A client may abort one request by its rid ({"rid": "<id>"}, control.client_abort). '
+    "abort_all, a prefix abort, an abort without a string rid, or a body that is not such "
+    "a JSON object acts on the whole fleet: that needs an operator key (control.keys) or a "
+    "caller from control.trusted_cidrs."
+)
+_RELAYED: Final = (
+    "This request was relayed by a proxy (it carries forwarding headers), so the address "
+    "it comes from vouches for no caller: through a proxy this call needs an operator key "
+    "(control.keys)."
+)
 
 
 def _unshared_detail(done: str, exc: SharingFailed) -> str:

@@ -64,7 +64,8 @@ TRACEPARENT: Final = "traceparent"
 
 log = logging.getLogger("gateway.edge.proxy")
 
-# Routes only operators may call, answered by gateway/edge/fleet_control.py.
+# Routes for operators (and, for membership and the abort of one rid, the engines and
+# clients), answered by gateway/edge/fleet_control.py.
 _OPERATOR_KINDS: Final = (Kind.CONTROL, Kind.REGISTRY)
 _NO_RIDS: Final[tuple[str, ...]] = ()
 
@@ -248,7 +249,8 @@ class Call:
         """The steps in order: the gateway's reply, or None once the backend's was relayed."""
         route = self.route
         if route is not None and route.kind in _OPERATOR_KINDS:
-            # Operators only, by their own keys or address: a client key grants nothing here.
+            # Operators by their own keys or address; the engines' network for membership; a
+            # client for the abort of one rid (gateway/edge/fleet_control.py checks which).
             return await self.proxy.control.handle(self, route)
         keys = self.settings.auth
         if keys is not None and (denied := self.authenticate(keys)) is not None:

@@ -100,6 +100,7 @@ REJECTION_REASONS: Final = (
     ("auth", "malformed_key"),
     ("auth", "invalid_key"),
     ("control", "forbidden"),
+    ("control", "client_abort_off"),
     ("control", "not_addressable"),
     ("parallel_sampling", "n_too_large"),
     ("registry", "invalid"),
@@ -614,10 +615,10 @@ class FleetCollector(Collector):
         control = CounterMetricFamily(
             p + "control_requests",
             "Fleet control calls (sent to every backend) by route and result: ok (every "
-            "backend answered 2xx), failed (some did not: 502), forbidden (no operator "
-            "credential: 403), refused (an addressed call to a path outside the per-engine "
-            "list: 404, not forwarded), unshared (applied, but the change could not be shared "
-            "with the other --workers: 503).",
+            "backend answered 2xx), failed (some did not: 502), forbidden (no right to the "
+            "call: 403, why in rejections_total with policy control), refused (an addressed "
+            "call to a path outside the per-engine list: 404, not forwarded), unshared "
+            "(applied, but the change could not be shared with the other --workers: 503).",
             labels=["route", "result"],
         )
         counts = dict.fromkeys(

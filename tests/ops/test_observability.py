@@ -812,6 +812,7 @@ REFUSALS = {
     ("auth", "malformed_key"),
     ("auth", "invalid_key"),
     ("control", "forbidden"),
+    ("control", "client_abort_off"),
     ("control", "not_addressable"),
     ("registry", "invalid"),
     ("registry", "not_found"),
