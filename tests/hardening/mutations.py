@@ -1026,6 +1026,93 @@ MUTATIONS = [
         "_LONGEST_LAST_ELEMENT: Final = 8 + 10",
         ["tests/contract/test_skim_slices.py::test_long_slices_are_judged_as_whole_ones"],
     ),
+    # -- issue 21: who may do what in a cluster (membership, abort by rid, the fleet) --------
+    (
+        "membership refused from the engines' network",
+        "gateway/edge/fleet_control.py",
+        '            if access.member(request.remote, relayed=via_proxy):\n                return "member"',
+        '            if False:\n                return "member"',
+        [
+            "tests/edge/test_rights.py::test_engines_register_list_and_leave_from_their_network_with_no_header"
+        ],
+    ),
+    (
+        "the engines' network acts on the fleet",
+        "gateway/edge/fleet_control.py",
+        "        if route.path in MEMBERSHIP_ROUTES:\n",
+        "        if True:\n",
+        ["tests/edge/test_rights.py::test_the_engines_network_never_acts_on_the_fleet"],
+    ),
+    (
+        "a relayed request trusted for membership by its proxy's address",
+        "gateway/edge/control.py",
+        "        return not relayed and peer_in(peer, self.members)",
+        "        return peer_in(peer, self.members)",
+        ["tests/edge/test_rights.py::test_membership_is_refused_elsewhere_naming_the_setting"],
+    ),
+    (
+        "a client may not abort its rid",
+        "gateway/edge/fleet_control.py",
+        "            if _may_generate(call):\n                return _CLIENT",
+        "            if False:\n                return _CLIENT",
+        ["tests/edge/test_rights.py::test_a_generation_client_aborts_its_rid_with_no_header"],
+    ),
+    (
+        "a client's abort body unchecked",
+        "gateway/edge/fleet_control.py",
+        "        if caller == _CLIENT and not names_one_rid(body):",
+        "        if False:",
+        ["tests/edge/test_rights.py::test_a_client_abort_of_more_than_one_rid_is_an_operators"],
+    ),
+    (
+        "a client's abort_all read as a strict bool",
+        "gateway/edge/control.py",
+        '        and parsed.get("abort_all", False) is False',
+        '        and parsed.get("abort_all", False) is not True',
+        ["tests/edge/test_rights.py::test_a_client_abort_of_more_than_one_rid_is_an_operators"],
+    ),
+    (
+        "a client's prefix abort allowed",
+        "gateway/edge/control.py",
+        '        and parsed.get("prefix", False) is False',
+        "        and True",
+        ["tests/edge/test_rights.py::test_a_client_abort_of_more_than_one_rid_is_an_operators"],
+    ),
+    (
+        "a client's empty rid allowed",
+        "gateway/edge/control.py",
+        '        and rid != ""',
+        "        and True",
+        ["tests/edge/test_rights.py::test_a_client_abort_of_more_than_one_rid_is_an_operators"],
+    ),
+    (
+        "a client's abort body of any size parsed",
+        "gateway/edge/control.py",
+        "    if len(body) > CLIENT_ABORT_MAX_BYTES:\n        return False",
+        "    if False:\n        return False",
+        ["tests/edge/test_rights.py::test_a_client_abort_of_more_than_one_rid_is_an_operators"],
+    ),
+    (
+        "control.client_abort ignored",
+        "gateway/edge/fleet_control.py",
+        "            if not access.client_abort:",
+        "            if False:",
+        ["tests/edge/test_rights.py::test_client_abort_can_be_turned_off"],
+    ),
+    (
+        "a client abort needs no client key",
+        "gateway/edge/fleet_control.py",
+        '    return keys.check(call.request.headers.get("Authorization")) is None',
+        "    return True",
+        ["tests/edge/test_rights.py::test_a_client_key_grants_the_abort_of_a_rid_and_nothing_else"],
+    ),
+    (
+        "a bad membership network accepted",
+        "gateway/config.py",
+        "    # Empty by default: only operators change the membership.\n    trusted_cidrs: list[Cidr]",
+        "    # Empty by default: only operators change the membership.\n    trusted_cidrs: list[str]",
+        ["tests/edge/test_rights.py::test_a_bad_membership_network_is_a_clear_startup_error"],
+    ),
 ]
 
 
