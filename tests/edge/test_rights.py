@@ -51,7 +51,7 @@ NOT_ONE_RID = [
     b'{"rid": "r", "abort_all": 1}',
     b'{"rid": "rollout-", "prefix": true}',
     b"{}",
-    b'{"rid": ""}',  # an empty rid prefix-matches every request on SGLang's scheduler
+    b'{"rid": ""}',  # SGLang's scheduler matches rids by prefix: "" is every request
     b'{"rid": ["a", "b"]}',
     b'{"rid": 7}',
     b'["r"]',
