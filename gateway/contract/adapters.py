@@ -23,20 +23,22 @@ from gateway.contract.routes import Kind
 
 # The key a body must spell literally (or with escapes) to name an adapter on any route.
 LORA_KEY: Final = b"lora_path"
-_MODEL_ROUTES: Final = frozenset({Kind.CHAT, Kind.COMPLETIONS})
+_NONE: Final[list[str]] = []  # never written to: callers extend their own list with it
 
 
 def requested_adapters(kind: Kind, body: Mapping[str, Any]) -> list[str]:
     """The adapter names a parsed body asks for (none for the base model)."""
-    if kind in _MODEL_ROUTES:
+    if kind is not Kind.GENERATE:
+        if kind is not Kind.CHAT and kind is not Kind.COMPLETIONS:
+            return []
         model = body.get("model")
         if isinstance(model, str) and ":" in model:
             adapter = model.split(":", 1)[1].strip()
             if adapter:
                 return [adapter]
-    elif kind is not Kind.GENERATE:
-        return []
     lora = body.get("lora_path")
+    if lora is None:
+        return _NONE
     if isinstance(lora, str):
         return [lora] if lora else []
     if isinstance(lora, list):
