@@ -18,6 +18,7 @@ from typing import Any, Final
 import orjson
 
 from gateway.contract import scan
+from gateway.contract.adapters import LORA_KEY, requested_adapters
 from gateway.contract.jsonview import Head, read_view
 from gateway.contract.policy import (
     READS,
@@ -193,6 +194,7 @@ def inspect_body(
     *,
     skip_parse_without_key: bool = False,
     rids: list[str] | None = None,
+    adapters: list[str] | None = None,
 ) -> Rejection | MaskDemand | None:
     """Parse an inspected route's body once and apply the policy to it: a refusal, the mask
     demand each backend's profile decides, or None (forward it anywhere).
@@ -201,13 +203,21 @@ def inspect_body(
     unparsed: no mask can be requested by it, and SGLang (same parser) refuses it itself if
     it is malformed. This trades the gateway's own 400 for malformed or mistyped bodies
     (rules 1 and 5 of the contract) for not building a Python object tree of a large body.
-    `rids`, when given, receives the body's request ids (policy.request_ids).
+    `rids`, when given, receives the body's request ids (policy.request_ids), and
+    `adapters` the LoRA adapters it names (contract/adapters.py); a body that spells
+    `lora_path` is parsed for them even with `skip_parse_without_key`.
     """
-    if skip_parse_without_key and not may_hold_mask_key(body):
+    if (
+        skip_parse_without_key
+        and not may_hold_mask_key(body)
+        and (adapters is None or LORA_KEY not in body)
+    ):
         return None
     parsed = parse_object(body, kind)
     if isinstance(parsed, Rejection):
         return parsed
     if rids is not None:
         rids += request_ids(parsed)
+    if adapters is not None:
+        adapters += requested_adapters(kind, parsed)
     return policy.assess(kind, parsed)

@@ -102,11 +102,12 @@ def _top_k_range(k: int) -> Rejection | None:
 # tests/contract/test_jsonview.py runs the truth tables through a recording body to hold them to it.
 _OPENAI_READS: Final = frozenset(
     {"return_sampling_mask", "return_meta_info", "stream", "n", "temperature", "top_k"}
-    | {"top_p", "rid"}
+    | {"top_p", "rid", "model", "lora_path"}  # the last two: the adapter it names
 )
 READS: Final[Mapping[Kind, frozenset[str] | None]] = {
     Kind.GENERATE: frozenset(
         {"return_sampling_mask", "sampling_params", "text", "input_ids", "input_embeds", "rid"}
+        | {"lora_path"}
     ),
     Kind.VERTEX: None,
     Kind.CHAT: _OPENAI_READS,

@@ -89,6 +89,11 @@ CONTROL_ROUTES: Mapping[str, frozenset[str]] = {
     "/pause_generation": _POST,
     "/continue_generation": _POST,
     "/update_weights_from_disk": _POST,
+    # Same body for every engine in AReaL and slime (names, dtypes, shapes, group name): the
+    # engines join one broadcast, so each must get it at once (issue 21).
+    "/update_weights_from_distributed": _POST,
+    "/load_lora_adapter": _POST,
+    "/unload_lora_adapter": _POST,
     "/release_memory_occupation": _POST,
     "/resume_memory_occupation": _POST,
     "/start_profile": _POST,
@@ -113,8 +118,7 @@ _WORKER_PREFIX: Final = "/workers/"
 _WORKER_ROUTE_METHODS: Final = frozenset({"GET", "DELETE"})
 # Per-engine calls: without an address they are refused, since no one engine is meant.
 PER_ENGINE_ROUTES: Mapping[str, frozenset[str]] = {
-    "/init_weights_update_group": _POST,
-    "/update_weights_from_distributed": _POST,
+    "/init_weights_update_group": _POST,  # rank_offset differs by engine
     "/update_weights_from_tensor": _POST,
     "/destroy_weights_update_group": _POST,
     "/weights_checker": _POST,
@@ -127,8 +131,7 @@ PER_ENGINE_ROUTES: Mapping[str, frozenset[str]] = {
 # engine-wide operations, each for one engine (profile it, flush its cache, pause, abort or
 # update it alone, read its load). The route is uninspected and trusted as an operator's, so
 # this is a fixed list: a generation route here would carry a mask past the inspection its
-# own path applies. /update_weights_from_distributed stays addressable whether or not it is
-# also fanned out (issue 21).
+# own path applies. The fanned-out calls stay addressable (one engine's LoRA, say).
 ADDRESSABLE_ROUTES: Mapping[str, frozenset[str]] = {**CONTROL_ROUTES, **PER_ENGINE_ROUTES}
 
 

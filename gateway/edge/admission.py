@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Final
 
 from gateway.contract import scan
+from gateway.contract.adapters import LORA_KEY, requested_adapters
 from gateway.contract.inspection import (
     ORJSON_SENSITIVE,
     may_hold_mask_key_sliced,
@@ -42,11 +43,16 @@ async def inspect_large(
     wait_s: float,
     skip_parse_without_key: bool = False,
     rids: list[str] | None = None,
+    adapters: list[str] | None = None,
 ) -> Rejection | MaskDemand | None:
     """inspect_body for any size: long integer arrays in shape-only fields are validated
     without being parsed (gateway/contract/skim.py), and the parse waits for its share of the
     inspection budget (gateway/edge/budget.py)."""
-    if skip_parse_without_key and not await may_hold_mask_key_sliced(body):
+    if (
+        skip_parse_without_key
+        and not await may_hold_mask_key_sliced(body)
+        and (adapters is None or not await scan.contains(body, LORA_KEY))
+    ):
         return None
     # orjson's own verdict is needed on bodies it may refuse (see ORJSON_SENSITIVE). A route
     # that reads no shape-only field (chat, completions) has nothing to skim: walking a
@@ -77,6 +83,8 @@ async def inspect_large(
             return parsed
         if rids is not None:
             rids += request_ids(parsed)
+        if adapters is not None:
+            adapters += requested_adapters(kind, parsed)
         return policy.assess(kind, parsed)
     finally:
         budget.release(cost)

@@ -311,9 +311,9 @@ _WEIGHT_UPDATES: Final = frozenset(
 def apply_state(
     pool: BackendPool, target: str, body: bytes, results: Sequence[BackendResult]
 ) -> Change:
-    """Record on each backend that answered 2xx what the call did to it: paused, asleep, or
-    the weight version it now serves (the `weight_version` the caller sent), and return it
-    as a change the other worker processes take too."""
+    """Record on each backend that answered 2xx what the call did to it: paused, asleep, the
+    LoRA adapters it holds, or the weight version it now serves (the `weight_version` the
+    caller sent), and return it as a change the other worker processes take too."""
     path = target.partition("?")[0]
     ok = {r.url for r in results if r.ok}
     backends = [b for b in pool.backends if b.url in ok]
@@ -321,10 +321,41 @@ def apply_state(
     if change is not None:
         flag, value = change
         return engines.hold(pool, backends, flag, value)
+    if path in _ADAPTER_CALLS:
+        return _adapters(pool, path, body, results)
     version = _sent_version(body) if path in _WEIGHT_UPDATES else None
     if version is None or not backends:
         return Change()
     return engines.serve(pool, {b.url: version for b in backends}, version)
+
+
+_LOAD_ADAPTER: Final = "/load_lora_adapter"
+_ADAPTER_CALLS: Final = frozenset({_LOAD_ADAPTER, "/unload_lora_adapter"})
+
+
+def _adapters(
+    pool: BackendPool, path: str, body: bytes, results: Sequence[BackendResult]
+) -> Change:
+    """The adapters each engine holds after a load or unload it answered 2xx: the
+    `loaded_adapters` its answer lists (SGLang's LoRAUpdateOutput: every adapter it holds),
+    else what it held with the call's `lora_name` added or removed."""
+    try:
+        sent = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError:
+        sent = None
+    name = sent.get("lora_name") if isinstance(sent, dict) else None
+    held: dict[str, frozenset[str]] = {}
+    for r in results:
+        backend = pool.find(r.url)
+        if not r.ok or backend is None:
+            continue
+        listed = r.body.get("loaded_adapters") if isinstance(r.body, dict) else None
+        if isinstance(listed, dict):
+            held[r.url] = frozenset(k for k in listed if isinstance(k, str))
+        elif isinstance(name, str):
+            adapters = backend.adapters
+            held[r.url] = adapters | {name} if path == _LOAD_ADAPTER else adapters - {name}
+    return engines.hold_adapters(pool, held) if held else Change()
 
 
 def updated_weights(target: str, results: Sequence[BackendResult]) -> list[str]:

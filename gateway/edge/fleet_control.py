@@ -312,13 +312,17 @@ class FleetControl:
 
     def _abort_owner(self, body: bytes) -> str | None:
         """The backend serving the one rid an abort names, if this gateway routed it there.
-        An abort of all, of a list, or of an unknown rid (queued anywhere, or routed by
-        another gateway process) goes to every backend."""
+        An abort of all, of a list, of a prefix, or of an unknown rid (queued anywhere, or
+        routed by another gateway process) goes to every backend."""
         try:
             parsed = orjson.loads(body) if body else None
         except orjson.JSONDecodeError:
             return None
         if not isinstance(parsed, dict) or parsed.get("abort_all"):
+            return None
+        if parsed.get("prefix") not in (None, False):
+            # Miles aborts every request of an adapter by its rid prefix ({"rid": p, "prefix":
+            # true}): they may run on any engine, whatever this gateway routed under p itself.
             return None
         rid = parsed.get("rid")
         return self.owners.owner(rid) if isinstance(rid, str) else None

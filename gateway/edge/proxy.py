@@ -32,6 +32,7 @@ from gateway.contract.policy import (
 from gateway.contract.replies import Outcome
 from gateway.contract.routes import Family, Kind, Route, RouteTable, canonical_path
 from gateway.contract.skim import SKIM_MIN_BODY
+from gateway.edge.adapters import AdapterCatalog, unavailable_message
 from gateway.edge.admission import inspect_large
 from gateway.edge.auth import ApiKeys
 from gateway.edge.budget import InspectionBudget, parse_cost
@@ -53,7 +54,7 @@ from gateway.edge.upstream import (
     UpstreamResponse,
     UpstreamTimeout,
 )
-from gateway.fleet.capability import Admission, Needs
+from gateway.fleet.capability import Admission, Needs, only_disaggregated
 from gateway.fleet.membership import Fleet
 from gateway.fleet.pool import Backend
 from gateway.ops.observe import USER_AGENT_MAX, Exchange, Observer
@@ -137,6 +138,7 @@ class Proxy:
         self.budget = InspectionBudget(settings.max_inspecting)
         self.control = FleetControl(upstream, fleet)
         self.owners = self.control.owners  # where the forward path records whom a rid went to
+        self.adapters = AdapterCatalog(self.control.fanout, fleet.pool)
         self._idle: asyncio.Event | None = None  # only while someone waits for idleness
         # Untraced (None), the module's own functions are called, looked up at each call
         # like any global: one test of an attribute per request, no wrapper.
@@ -216,7 +218,7 @@ class Call:
     Each step passes the request on or answers it.
     """
 
-    __slots__ = ("exchange", "proxy", "request", "rids", "route", "settings")
+    __slots__ = ("adapters", "exchange", "proxy", "request", "rids", "route", "settings")
 
     def __init__(
         self,
@@ -233,6 +235,8 @@ class Call:
         self.exchange = exchange
         # SGLang's request ids in the body: who serves them, for aborts (inspected routes).
         self.rids: Sequence[str] = _NO_RIDS
+        # The LoRA adapters it names: only an engine holding them may serve it.
+        self.adapters: Sequence[str] = _NO_RIDS
 
     @property
     def raw_path(self) -> str:
@@ -271,14 +275,20 @@ class Call:
                 verdict = self.inspect(route.kind, body, cost)
             else:
                 verdict = await self.inspect_large(route.kind, body)
-        # What a backend must have for it: the weights it asks for, a mask it may hold.
+        # What a backend must have for it: the weights it asks for, the adapters it names, a
+        # mask it may hold.
         version = self.wanted_version()
-        needs = None if version is None else Needs(version)
+        adapters = self.adapters
+        needs = None
+        if version is not None or adapters:
+            needs = Needs(version, adapters=frozenset(adapters))
         if verdict is not None:
             admitted = self.admit(verdict, needs)
             if isinstance(admitted, Reply):
                 return admitted
             needs = admitted
+        if adapters and (refused := await self.adapters_refusal(frozenset(adapters))):
+            return refused
         return await self.forward(body, needs)
 
     # -- the steps -----------------------------------------------------------------------
@@ -363,6 +373,8 @@ class Call:
         settings = self.settings
         rids: list[str] = []
         self.rids = rids
+        adapters: list[str] = []
+        self.adapters = adapters
         try:
             return (self.proxy.traced_inspect or inspect_body)(
                 kind,
@@ -370,6 +382,7 @@ class Call:
                 settings.admission,
                 skip_parse_without_key=settings.skip_parse,
                 rids=rids,
+                adapters=adapters,
             )
         finally:
             self.proxy.budget.release(cost)
@@ -380,6 +393,8 @@ class Call:
         settings = self.settings
         rids: list[str] = []
         self.rids = rids
+        adapters: list[str] = []
+        self.adapters = adapters
         return await (self.proxy.traced_inspect_large or inspect_large)(
             kind,
             body,
@@ -388,6 +403,7 @@ class Call:
             wait_s=settings.queue_timeout,
             skip_parse_without_key=settings.skip_parse,
             rids=rids,
+            adapters=adapters,
         )
 
     def admit(self, verdict: Rejection | MaskDemand, wanted: Needs | None) -> Reply | Needs | None:
@@ -398,7 +414,9 @@ class Call:
             admission = Admission(verdict)
             rejection = admission.edge_refusal(self.proxy.pool, wanted)
             if rejection is None:
-                return Needs(None if wanted is None else wanted.version, admission)
+                if wanted is None:
+                    return Needs(None, admission)
+                return Needs(wanted.version, admission, wanted.adapters)
         else:
             rejection = verdict
         if self.settings.admission.mode_of(rejection) is Mode.LOG_ONLY:
@@ -439,8 +457,7 @@ class Call:
         while len(tried) < settings.attempts:
             backend = await pool.acquire(tried, key, settings.queue_timeout, fits=needs)
             if backend is None:
-                saturated = pool.saturated(tried)
-                return self.unavailable(Outcome.NO_CAPACITY if saturated else Outcome.NO_BACKEND)
+                return self.no_backend(tried, needs)
             tried.append(backend)
             exchange.attempts = len(tried)
             exchange.backend = backend.url
@@ -581,6 +598,27 @@ class Call:
         resp = self.reply(405, replies.METHOD_NOT_ALLOWED, Outcome.METHOD_NOT_ALLOWED)
         resp.headers.append(("Allow", ", ".join(sorted(methods))))
         return resp
+
+    async def adapters_refusal(self, names: frozenset[str]) -> Reply | None:
+        """The 400 for LoRA adapters no engine holds (gateway/edge/adapters.py)."""
+        headers = self.settings.control_forwarding.upstream(
+            (), peer=self.request.remote, scheme="http", request_id=self.exchange.request_id
+        )
+        refused = await self.proxy.adapters.refusal(names, headers, self.settings.connect_s)
+        return None if refused is None else self.reject(refused)
+
+    def no_backend(self, tried: Sequence[Backend], needs: Needs | None) -> Reply:
+        """The 503 when no backend could be had for the request, saying why."""
+        pool = self.proxy.pool
+        if (disaggregated := only_disaggregated(pool)) is not None:
+            return self.reject(disaggregated)
+        if needs is not None and needs.adapters:
+            body = replies.render(self.family, 503, unavailable_message(needs.adapters))
+            resp = self.reply(503, body, Outcome.NO_BACKEND)
+            resp.headers.append(("Retry-After", "1"))
+            return resp
+        saturated = pool.saturated(tried)
+        return self.unavailable(Outcome.NO_CAPACITY if saturated else Outcome.NO_BACKEND)
 
     def unavailable(self, outcome: Outcome) -> Reply:
         status = 503

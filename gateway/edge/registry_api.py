@@ -41,7 +41,7 @@ def _worker(fleet: Fleet, backend: Backend) -> dict[str, Any]:
         state = "asleep"
     elif backend.paused:
         state = "paused"
-    elif backend.health is Health.UNKNOWN and not pool.routable(backend, pool.now()):
+    elif backend.health is Health.UNKNOWN and not pool.available(backend, pool.now()):
         state = "probation"  # registered, not yet probed healthy
     else:
         state = backend.health.value
@@ -58,6 +58,8 @@ def _worker(fleet: Fleet, backend: Backend) -> dict[str, Any]:
         "paused": backend.paused,
         "asleep": backend.asleep,
         "inflight": backend.inflight,
+        "worker_type": backend.worker_type,
+        "lora_adapters": sorted(backend.adapters),
     }
 
 

@@ -39,7 +39,9 @@ class Admission:
         """None when some member admits the request (it waits for that one if it is busy or
         paused); else the refusal of the routable member closest to admitting it. `wanted`:
         what else the request needs (the weights it asks for): only those members count."""
-        members = [b for b in pool.backends if not b.removed and (wanted is None or wanted(b))]
+        members = [
+            b for b in pool.backends if not b.removed and b.plain and (wanted is None or wanted(b))
+        ]
         if not members or any(self.fits(b) for b in members):
             return None
         now = pool.now()
@@ -54,17 +56,41 @@ def _closeness(backend: Backend) -> tuple[int, int, int]:
 
 class Needs:
     """What a request needs of a backend beyond being routable (the pool's `fits`): the
-    weights it asks for, and for a mask request the admission of the backend's profile.
-    Made only for a request that needs either."""
+    weights it asks for, the LoRA adapters it names, and for a mask request the admission
+    of the backend's profile. Made only for a request that needs any of them."""
 
-    __slots__ = ("admission", "version")
+    __slots__ = ("adapters", "admission", "version")
 
-    def __init__(self, version: str | None, admission: Admission | None = None) -> None:
+    def __init__(
+        self,
+        version: str | None,
+        admission: Admission | None = None,
+        adapters: frozenset[str] = frozenset(),
+    ) -> None:
         self.version = version
         self.admission = admission
+        self.adapters = adapters
 
     def __call__(self, backend: Backend) -> bool:
         if self.version is not None and backend.weight_version != self.version:
             return False
+        if self.adapters and not self.adapters <= backend.adapters:
+            return False
         admission = self.admission
         return admission is None or admission.fits(backend)
+
+
+def only_disaggregated(pool: BackendPool) -> Rejection | None:
+    """The refusal of an ordinary request when every member is a prefill or decode worker:
+    until the gateway pairs them (issue 22), none of them can serve it alone."""
+    members = [b for b in pool.backends if not b.removed]
+    if not members or any(b.plain for b in members):
+        return None
+    return Rejection(
+        503,
+        "routing",
+        "disaggregated_only",
+        "Only prefill and decode workers are registered (worker_type), and the gateway does "
+        "not pair them yet: no worker can serve a request on its own. Register a regular "
+        "worker.",
+    )

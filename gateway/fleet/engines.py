@@ -3,8 +3,12 @@
 Control calls through the gateway change it (gateway/edge/control.py), the document the
 --workers processes share replaces it (gateway/fleet/membership.py), an engine's own
 /model_info confirms its weights after an update, and a probe reads them once when an
-engine joins (gateway/fleet/health.py). This module is the one writer of Backend.paused,
-Backend.asleep, Backend.weight_version and BackendPool.latest_version: a change made here
+engine joins (gateway/fleet/health.py). The LoRA adapters each engine holds follow its
+answers to load and unload calls, and its /v1/models when a request names an adapter no
+engine is known to hold (gateway/edge/adapters.py); the worker type it was registered with
+comes from the registry. This module is the one writer of Backend.paused, Backend.asleep,
+Backend.weight_version, Backend.adapters, Backend.worker_type and
+BackendPool.latest_version: a change made here
 lets the requests held for a paused or asleep fleet look again when it frees an engine, and
 comes back as the Change the other worker processes take.
 """
@@ -14,13 +18,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Final
 
-from gateway.fleet.pool import Backend, BackendPool
+from gateway.fleet.pool import REGULAR, Backend, BackendPool
 from gateway.fleet.shared import Change, Document
 
 # The fields of a backend's entry in a Change and in the shared document.
 PAUSED: Final = "paused"
 ASLEEP: Final = "asleep"
 WEIGHT_VERSION: Final = "weight_version"
+LORA_ADAPTERS: Final = "lora_adapters"
 
 
 def hold(pool: BackendPool, backends: Sequence[Backend], flag: str, value: bool) -> Change:
@@ -56,6 +61,24 @@ def joined(backend: Backend, version: str | None) -> None:
     backend.weight_version = version
 
 
+def hold_adapters(pool: BackendPool, adapters: Mapping[str, frozenset[str]]) -> Change:
+    """Record the LoRA adapters each engine (by URL) holds now, as its answer to a load or
+    unload call (or its /v1/models) said."""
+    for b in pool.backends:
+        held = adapters.get(b.url)
+        if held is not None:
+            b.adapters = held
+    return Change(states={url: {LORA_ADAPTERS: sorted(names)} for url, names in adapters.items()})
+
+
+def typed(pool: BackendPool, worker_types: Mapping[str, object]) -> None:
+    """The worker type each member (by URL) was registered with; anything but a string
+    (not registered with one) is a regular worker."""
+    for b in pool.backends:
+        kind = worker_types.get(b.url)
+        b.worker_type = kind if isinstance(kind, str) else REGULAR
+
+
 def adopt(pool: BackendPool, doc: Document, backends: Sequence[Backend] | None = None) -> None:
     """Take the shared document's engine states on `backends` (None: every member, and the
     document's latest version too).
@@ -73,6 +96,8 @@ def adopt(pool: BackendPool, doc: Document, backends: Sequence[Backend] | None =
         b.asleep = st.get("asleep", False)
         if isinstance(version := st.get(WEIGHT_VERSION), str):
             b.weight_version = version
+        if isinstance(names := st.get(LORA_ADAPTERS), list):
+            b.adapters = frozenset(n for n in names if isinstance(n, str))
         woke = woke or (held and not (b.paused or b.asleep))
     if backends is None:
         pool.latest_version = doc.get("latest_version")

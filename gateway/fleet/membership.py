@@ -115,6 +115,9 @@ class Fleet:
 
     def _publish(self, urls: tuple[str, ...]) -> None:
         added, _ = self.pool.update(urls)
+        if self.registry is not None:
+            registry = self.registry
+            engines.typed(self.pool, {u: registry.extras(u).get("worker_type") for u in urls})
         if self._health is not None:
             self._health.sync(self.pool.backends)
         if self._doc is not None and added:

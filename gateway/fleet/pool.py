@@ -17,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 from gateway.contract.profiles import DEFAULT_CAP, Family, MaskProfile, ServerInfo, profile_of
 from gateway.fleet.balancers import Balancer
@@ -30,6 +31,12 @@ def worker_id(url: str) -> str:
     return hashlib.blake2b(url.encode(), digest_size=6).hexdigest()
 
 
+# Registered worker types (sglang-router's and SMG's `worker_type`). Until the gateway pairs
+# prefill with decode engines (issue 22), those get no plain traffic.
+REGULAR: Final = "regular"
+DISAGGREGATED: Final = frozenset({"prefill", "decode"})
+
+
 class Health(enum.Enum):
     UNKNOWN = "unknown"  # not probed yet: routable, but does not make the gateway ready
     HEALTHY = "healthy"
@@ -40,6 +47,7 @@ class Backend:
     """One upstream SGLang server and what the gateway knows about it."""
 
     __slots__ = (
+        "adapters",
         "asleep",
         "connect_failures",
         "ejected_until",
@@ -59,6 +67,7 @@ class Backend:
         "server_info",
         "url",
         "weight_version",
+        "worker_type",
     )
 
     def __init__(self, url: str) -> None:
@@ -84,6 +93,12 @@ class Backend:
         self.paused = False
         self.asleep = False
         self.weight_version: str | None = None
+        # The LoRA adapters it has loaded, by name: a request naming one goes only to an
+        # engine that has it.
+        self.adapters: frozenset[str] = frozenset()
+        # What it was registered as (`worker_type`): a prefill or decode engine of a
+        # disaggregated pair serves no plain request on its own.
+        self.worker_type = REGULAR
         # What the backend said about itself (/server_info), and the mask admission that
         # follows from it (gateway/contract/profiles.py): the strictest until it says.
         self.server_info: ServerInfo | None = None
@@ -96,6 +111,11 @@ class Backend:
     @property
     def id(self) -> str:
         return worker_id(self.url)
+
+    @property
+    def plain(self) -> bool:
+        """Takes ordinary requests: not one half of a prefill/decode pair."""
+        return self.worker_type not in DISAGGREGATED
 
 
 # What a request needs of a backend beyond being routable (proxy: weights, mask admission).
@@ -226,16 +246,16 @@ class BackendPool:
         return b.health is Health.HEALTHY or not self._policy.probation
 
     def routable(self, b: Backend, now: float) -> bool:
-        """May take a new request at `now` (concurrency aside): available, and neither paused
-        nor asleep. The one rule pick, saturation and the metrics read."""
-        return self.available(b, now) and not b.paused and not b.asleep
+        """May take a new request at `now` (concurrency aside): available, neither paused
+        nor asleep, and a plain worker. The one rule pick, saturation and the metrics read."""
+        return self.available(b, now) and not b.paused and not b.asleep and b.plain
 
     def held(self, exclude: Sequence[Backend] = ()) -> bool:
         """Some working backend is paused or asleep: it will take traffic again once
         continued or resumed, so a request may wait for it."""
         now = self._clock()
         return any(
-            (b.paused or b.asleep) and self.available(b, now) and b not in exclude
+            (b.paused or b.asleep) and b.plain and self.available(b, now) and b not in exclude
             for b in self.backends
         )
 

@@ -99,7 +99,7 @@ class Change:
 
     added: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # url -> extras
     removed: frozenset[str] = frozenset()
-    # url -> the fields it changed: paused, asleep, weight_version
+    # url -> the fields it changed: paused, asleep, weight_version, lora_adapters
     states: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     latest_version: str | None = None
 
@@ -182,6 +182,9 @@ def validate(doc: object) -> Document:
                 raise Damaged(f"a backend's {flag} is not a boolean")
         if not isinstance(state.get("weight_version", ""), (str, type(None))):
             raise Damaged("a backend's weight_version is not a string")
+        adapters = state.get("lora_adapters", [])
+        if not isinstance(adapters, list) or not all(isinstance(a, str) for a in adapters):
+            raise Damaged("a backend's lora_adapters is not a list of names")
     if not isinstance(doc.get("latest_version"), (str, type(None))):
         raise Damaged("latest_version is not a string")
     return doc

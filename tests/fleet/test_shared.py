@@ -5,9 +5,19 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from gateway.config import BackendsConfig
 from gateway.fleet.membership import Fleet
-from gateway.fleet.shared import Change, SharedState, merge, new_document, write_document
+from gateway.fleet.shared import (
+    Change,
+    Damaged,
+    SharedState,
+    merge,
+    new_document,
+    validate,
+    write_document,
+)
 
 A, B, C = "http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"
 
@@ -111,3 +121,34 @@ async def test_a_document_restored_from_an_older_copy_still_reaches_every_worker
     finally:
         await one.stop()
         await two.stop()
+
+
+async def test_adapters_and_worker_types_reach_a_sibling(tmp_path: Path) -> None:
+    """What a load call did to an engine, and a worker registered as prefill through
+    another worker, hold in this worker too: it routes alike."""
+    path = tmp_path / "fleet.json"
+    write_document(path, new_document([A]))
+    fleet = Fleet(BackendsConfig(discovery="registry", static=[A]))
+    assert fleet.registry is not None
+    await fleet.registry.run(fleet._publish)
+    sibling = SharedState(path, 0, 1)
+    await sibling.record(Change(added={B: {"worker_type": "prefill", "bootstrap_port": 8998}}))
+    await sibling.record(Change(states={A: {"lora_adapters": ["x", "y"]}}))
+    shared = SharedState(path, 0, 2)
+    shared.attach(fleet.adopt)
+    await shared.take(shared.load())
+    by_url = {b.url: b for b in fleet.pool.backends}
+    assert by_url[A].adapters == {"x", "y"} and by_url[B].adapters == frozenset()
+    assert by_url[A].plain and by_url[B].worker_type == "prefill" and not by_url[B].plain
+
+
+def test_a_document_with_adapters_of_the_wrong_type_is_damaged() -> None:
+    doc = new_document([A])
+    doc["backends"] = {A: {"lora_adapters": "x"}}
+    with pytest.raises(Damaged, match="lora_adapters"):
+        validate(doc)
+    doc["backends"] = {A: {"lora_adapters": ["x", 1]}}
+    with pytest.raises(Damaged, match="lora_adapters"):
+        validate(doc)
+    doc["backends"] = {A: {"lora_adapters": ["x"]}}
+    assert validate(doc) is doc

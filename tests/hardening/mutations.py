@@ -1113,6 +1113,63 @@ MUTATIONS = [
         "    # Empty by default: only operators change the membership.\n    trusted_cidrs: list[str]",
         ["tests/edge/test_rights.py::test_a_bad_membership_network_is_a_clear_startup_error"],
     ),
+    # -- issue 21, items 6 and 8: fan-out, LoRA routing, prefill/decode workers ------------
+    (
+        "a prefix abort goes to the owner of that rid alone",
+        "gateway/edge/fleet_control.py",
+        'if parsed.get("prefix") not in (None, False):',
+        "if False:",
+        ["tests/edge/test_fanout.py::test_a_prefix_abort_reaches_every_engine"],
+    ),
+    (
+        "a LoRA request goes to any engine",
+        "gateway/fleet/capability.py",
+        "if self.adapters and not self.adapters <= backend.adapters:",
+        "if False:",
+        ["tests/edge/test_fanout.py::test_a_lora_request_goes_only_to_engines_that_loaded_it"],
+    ),
+    (
+        "a failed load is recorded as done",
+        "gateway/edge/control.py",
+        "        if not r.ok or backend is None:",
+        "        if backend is None:",
+        ["tests/edge/test_fanout.py::test_a_failed_load_is_not_recorded_on_that_engine"],
+    ),
+    (
+        "adapters loaded engine-direct are never found",
+        "gateway/edge/adapters.py",
+        "held = {r.url: names for r in results if (names := listed_adapters(r)) is not None}",
+        "held = {}",
+        ["tests/edge/test_fanout.py::test_an_adapter_loaded_engine_direct_is_found"],
+    ),
+    (
+        "every miss reads the engines at once",
+        "gateway/edge/adapters.py",
+        "wait = self._last + REFRESH_EVERY_S - loop.time()",
+        "wait = 0.0",
+        ["tests/edge/test_fanout.py::test_unknown_names_are_read_for_at_most_every_interval"],
+    ),
+    (
+        "an unparsed body's adapter is not seen",
+        "gateway/contract/inspection.py",
+        "and (adapters is None or LORA_KEY not in body)",
+        "and True",
+        ["tests/edge/test_fanout.py::test_large_and_unparsed_bodies_are_routed_by_their_adapter"],
+    ),
+    (
+        "a prefill worker takes plain traffic",
+        "gateway/fleet/pool.py",
+        "and not b.paused and not b.asleep and b.plain",
+        "and not b.paused and not b.asleep",
+        ["tests/edge/test_fanout.py::test_a_prefill_worker_never_gets_plain_traffic"],
+    ),
+    (
+        "a prefill-only fleet answers as if no backend were healthy",
+        "gateway/edge/proxy.py",
+        "if (disaggregated := only_disaggregated(pool)) is not None:",
+        "if (disaggregated := None) is not None:",
+        ["tests/edge/test_fanout.py::test_only_prefill_and_decode_workers_answer_503"],
+    ),
 ]
 
 

@@ -816,6 +816,8 @@ REFUSALS = {
     ("control", "not_addressable"),
     ("registry", "invalid"),
     ("registry", "not_found"),
+    ("lora", "adapter_not_loaded"),
+    ("routing", "disaggregated_only"),
     ("parallel_sampling", "n_too_large"),
     *(
         ("request_body", r)

@@ -170,6 +170,7 @@ class StubBackend:
         # Scripts the engine operations (pause, weight updates, ...): this status and
         # {"success": false} instead of doing them, as an engine whose weight load failed.
         self.engine_op_status: int | None = None
+        self.adapters: dict[str, str] = {}  # LoRA adapters loaded: name -> path
         self._runs: set[Run] = set()
         self._unpaused = asyncio.Event()
         self._unpaused.set()
@@ -183,7 +184,9 @@ class StubBackend:
     # --- lifecycle -----------------------------------------------------------------------
 
     def make_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._middleware], client_max_size=1 << 30)
+        app = web.Application(
+            middlewares=[self._middleware, self._lora_gate], client_max_size=1 << 30
+        )
         routes: list[tuple[str, str, _Handler]] = [
             ("POST", "/generate", self._generate),
             ("PUT", "/generate", self._generate),
@@ -212,6 +215,8 @@ class StubBackend:
             ("POST", "/update_weights_from_tensor", self._engine_op),
             ("POST", "/destroy_weights_update_group", self._engine_op),
             ("POST", "/weights_checker", self._engine_op),
+            ("POST", "/load_lora_adapter", self._lora),
+            ("POST", "/unload_lora_adapter", self._lora),
             ("GET", "/v1/loads", self._loads),
             ("GET", "/get_loads", self._loads),
             ("GET", "/flush_cache", self._flush_cache),
@@ -698,7 +703,12 @@ class StubBackend:
             "root": self.model,
             "max_model_len": 32768,
         }
-        return json_response({"object": "list", "data": [card]})
+        # SGLang lists each loaded LoRA adapter as a model whose parent is the base model.
+        adapters = [
+            card | {"id": name, "root": path, "parent": self.model, "max_model_len": None}
+            for name, path in self.adapters.items()
+        ]
+        return json_response({"object": "list", "data": [card, *adapters]})
 
     async def _abort_request(self, request: web.Request) -> web.StreamResponse:
         # SGLang answers 200 with no body whether or not the rid was found.
@@ -746,6 +756,61 @@ class StubBackend:
         elif path.startswith("/update_weights") and isinstance(sent.get("weight_version"), str):
             self.weight_version = sent["weight_version"]
         return json_response({"success": True, "message": f"{path[1:]} done on port {self._port}"})
+
+    async def _lora(self, request: web.Request) -> web.StreamResponse:
+        # SGLang's LoadLoRAAdapterReqInput / UnloadLoRAAdapterReqInput, answered with its
+        # LoRAUpdateOutput: 200 with every adapter now loaded, or 400 saying why not.
+        sent = parse(await request.read())
+        name, path = sent.get("lora_name"), sent.get("lora_path")
+        loading = request.path == "/load_lora_adapter"
+        if not isinstance(name, str) or (loading and not isinstance(path, str)):
+            fields = "lora_name and lora_path" if loading else "lora_name"
+            raise Reject(f"{fields} must be strings", parse=True)
+        failure: str | None = None
+        if self.engine_op_status is not None:
+            failure = f"{request.path[1:]} failed on port {self._port}"
+        elif loading and name in self.adapters:
+            failure = f"Failed to load LoRA adapter {name} because it is already loaded"
+        elif not loading and name not in self.adapters:
+            failure = f"LoRA with name {name} does not exist. Loaded LoRAs: {list(self.adapters)}"
+        if failure is not None:
+            refused = {"success": False, "error_message": failure, "loaded_adapters": None}
+            return json_response(refused, self.engine_op_status or 400)
+        if loading:
+            assert isinstance(path, str)
+            self.adapters[name] = path
+        else:
+            del self.adapters[name]
+        done = {"success": True, "error_message": None, "loaded_adapters": dict(self.adapters)}
+        return json_response(done)
+
+    @web.middleware
+    async def _lora_gate(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
+        """Refuse a generation that names an adapter this engine has not loaded, in SGLang's
+        words (its LoRA registry): 400, or in-band on a /generate stream."""
+        if request.path not in GENERATION_PATHS:
+            return await handler(request)
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError:
+            return await handler(request)
+        if not isinstance(body, dict):
+            return await handler(request)
+        lora = body.get("lora_path")
+        model = body.get("model")
+        if request.path != "/generate" and isinstance(model, str) and ":" in model:
+            lora = model.split(":", 1)[1].strip() or lora  # base:adapter wins
+        names = [lora] if isinstance(lora, str) and lora else lora if isinstance(lora, list) else []
+        for name in names:
+            if name is not None and name not in self.adapters:
+                message = (
+                    f"The following requested LoRA adapters are not loaded: {name}\n"
+                    f"Loaded adapters: {list(self.adapters)}."
+                )
+                if request.path == "/generate" and lax_bool(body.get("stream")):
+                    return await self._stream(request, [{"error": {"message": message}}])
+                raise Reject(message)
+        return await handler(request)
 
     async def _loads(self, request: web.Request) -> web.StreamResponse:
         return json_response(
