@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 
 from gateway.config import BackendsConfig
+from gateway.fleet import engines
 from gateway.fleet.membership import Fleet
 from gateway.fleet.shared import Change, SharedState, merge, new_document, write_document
 
@@ -111,3 +112,24 @@ async def test_a_document_restored_from_an_older_copy_still_reaches_every_worker
     finally:
         await one.stop()
         await two.stop()
+
+
+async def test_a_worker_keeps_what_an_engine_reported_when_a_sibling_shares_a_change(
+    tmp_path: Path,
+) -> None:
+    """The document holds the versions control calls wrote; an engine updated directly since
+    (each worker reads it on its probes) must not go back to it when a sibling shares
+    something else."""
+    path = tmp_path / "fleet.json"
+    write_document(path, new_document([A]))
+    fleet, shared = await _worker(path, 0, 2)
+    sibling = SharedState(path, 1, 2)
+    await sibling.record(Change(states={A: {"weight_version": "v1"}}, latest_version="v1"))
+    await shared.take(shared.load())
+    (backend,) = fleet.pool.backends
+    assert backend.weight_version == "v1"
+    engines.reported(fleet.pool, backend, "v2", engines.mark(backend))  # its own report
+    await sibling.record(Change(states={A: {"paused": True}}))
+    await shared.take(shared.load())
+    assert backend.paused
+    assert (backend.weight_version, fleet.pool.latest_version) == ("v2", "v2")
