@@ -110,6 +110,11 @@ REGISTRY_ROUTES: Mapping[str, frozenset[str]] = {
     "/add_worker": _POST,
     "/remove_worker": _POST,
 }
+# An engine's read routes the gateway answers for the whole fleet from what it knows of
+# each engine (gateway/edge/fleet_reads.py), operators only like the registry.
+FLEET_READ_ROUTES: Mapping[str, frozenset[str]] = {
+    "/get_weight_version": _GET,
+}
 WORKER_PATH: Final = "/workers/{id}"  # GET, DELETE one worker; the route's label
 # An engine call with parameters of its own per engine (a rank offset, tensor handles on that
 # engine's GPUs), sent to the one worker named: POST /workers/{id}/<SGLang path>.
@@ -186,6 +191,8 @@ class RouteTable:
         for path, methods in REGISTRY_ROUTES.items():
             by_path[path] = Route(path, Kind.REGISTRY, methods, Family.PLAIN)
         for path, methods in PER_ENGINE_ROUTES.items():
+            by_path[path] = Route(path, Kind.REGISTRY, methods, Family.PLAIN)
+        for path, methods in FLEET_READ_ROUTES.items():
             by_path[path] = Route(path, Kind.REGISTRY, methods, Family.PLAIN)
         for configured in extra_passthrough:
             # Stored canonical, so an encoded spelling of a generation route cannot be

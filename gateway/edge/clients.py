@@ -52,11 +52,17 @@ def make_session(cfg: GatewayConfig) -> aiohttp.ClientSession:
     )
 
 
+# How many engines of a release before the /model_info rename are remembered as such.
+_LEGACY_KEPT = 1024
+
+
 class AiohttpClients:
     """fleet.membership.FleetClients over one aiohttp session."""
 
     def __init__(self, session: aiohttp.ClientSession) -> None:
         self._session = session
+        # Engines that answer /get_model_info but not /model_info (oldest first, bounded).
+        self._legacy_model_info: dict[str, None] = {}
 
     async def probe(self, url: str, timeout_s: float) -> ProbeResult:
         try:
@@ -88,7 +94,19 @@ class AiohttpClients:
             return 0, None
 
     async def weight_version(self, url: str, timeout_s: float) -> str | None:
-        _, info = await self._json(url + "/model_info", timeout_s)
+        # Read on every good probe, so an engine of a release before the rename is asked at
+        # its old path from the first 404 on, not twice every time.
+        legacy = self._legacy_model_info
+        old = url in legacy
+        status, info = await self._json(
+            url + ("/get_model_info" if old else "/model_info"), timeout_s
+        )
+        if status == 404 and not old:
+            status, info = await self._json(url + "/get_model_info", timeout_s)
+            if status == 200:
+                legacy[url] = None
+                if len(legacy) > _LEGACY_KEPT:
+                    del legacy[next(iter(legacy))]
         version = info.get("weight_version") if isinstance(info, dict) else None
         return version if isinstance(version, str) else None
 

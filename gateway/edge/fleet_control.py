@@ -28,13 +28,14 @@ from gateway.contract.replies import Outcome
 from gateway.contract.routes import (
     ADDRESSABLE_ROUTES,
     ADDRESSED_PATH,
+    FLEET_READ_ROUTES,
     Family,
     Kind,
     Route,
     addressed,
     canonical_path,
 )
-from gateway.edge import registry_api
+from gateway.edge import fleet_reads, registry_api
 from gateway.edge.control import (
     MEMBERSHIP_ROUTES,
     BackendResult,
@@ -121,6 +122,8 @@ class FleetControl:
         if caller == _CLIENT and not names_one_rid(body):
             self.fanout.count(route.path, "forbidden")
             return call.reject(Rejection(403, "control", "forbidden", _FLEET_ABORT))
+        if route.path in FLEET_READ_ROUTES:
+            return self._fleet_read(call, route)
         if route.kind is Kind.REGISTRY:
             return await self._registry(call, route, caller, body)
         targets = self._targets(call, route, engine_path, body)
@@ -276,6 +279,8 @@ class FleetControl:
                 detail=_unshared_detail("The engines listed acted on the call", unshared),
             )
             return call.reply(503, orjson.dumps(reply), Outcome.CONTROL_FAILED)
+        if route.path in fleet_reads.LOADS_PATHS:
+            return self._loads(call, route, results)
         self.fanout.count(route.path, "ok" if ok else "failed")
         if route.path == ADDRESSED_PATH:
             (only,) = results
@@ -309,6 +314,17 @@ class FleetControl:
         except SharingFailed as exc:
             return results, exc
         return results, None
+
+    def _loads(self, call: Call, route: Route, results: list[BackendResult]) -> Reply:
+        """The fleet's /v1/loads, shaped like one engine's (gateway/edge/fleet_reads.py)."""
+        ok, body = fleet_reads.merged_loads(results)
+        self.fanout.count(route.path, "ok" if ok else "failed")
+        return call.reply(200 if ok else 502, body, Outcome.OK if ok else Outcome.CONTROL_FAILED)
+
+    def _fleet_read(self, call: Call, route: Route) -> Reply:
+        """An engine read route answered for the fleet from the gateway's own view."""
+        self.fanout.count(route.path, "ok")
+        return call.reply(200, fleet_reads.weight_version(self._pool), Outcome.OK)
 
     def _abort_owner(self, body: bytes) -> str | None:
         """The backend serving the one rid an abort names, if this gateway routed it there.

@@ -169,11 +169,11 @@ class Fleet:
 
     def adopt(self, doc: Document) -> None:
         """Take the shared document's membership and engine states as this worker's."""
-        self._doc = doc  # kept: backends that discovery adds later get their states too
+        before, self._doc = self._doc, doc  # kept: backends discovery adds later take it too
         members = doc.get("members")
         if self.registry is not None and isinstance(members, dict):
             self.registry.replace(members)
-        engines.adopt(self.pool, doc)
+        engines.adopt(self.pool, doc, before=before)
 
     async def share(self, change: Change) -> None:
         """Hand a change this worker made to its siblings (nothing to do when alone). The
@@ -186,7 +186,8 @@ class Fleet:
 
     async def confirm_versions(self, urls: list[str], timeout_s: float) -> Change:
         """Ask each engine which weights it serves now (its /model_info) and take its
-        answer, whatever the call that changed them said."""
+        answer, whatever the call that changed them said. Shared, unlike a probe's read:
+        the other workers take the update from it at once, not a probe interval later."""
         if self._clients is None:
             return Change()
         clients = self._clients

@@ -66,6 +66,7 @@ class Backend:
         "removed",
         "server_info",
         "url",
+        "version_writes",
         "weight_version",
         "worker_type",
     )
@@ -99,6 +100,9 @@ class Backend:
         # What it was registered as (`worker_type`): a prefill or decode engine of a
         # disaggregated pair serves no plain request on its own.
         self.worker_type = REGULAR
+        # Counts every write of weight_version: a read of the engine's version that began
+        # before a write is older than it and must not replace it.
+        self.version_writes = 0
         # What the backend said about itself (/server_info), and the mask admission that
         # follows from it (gateway/contract/profiles.py): the strictest until it says.
         self.server_info: ServerInfo | None = None
@@ -165,9 +169,13 @@ class BackendPool:
         self._policy = policy
         self._clock = clock
         self._slot_waiters: deque[asyncio.Future[None]] = deque()
-        # The weight version most recently installed through the gateway (routing: latest),
-        # written by gateway/fleet/engines.py.
+        # The newest weight version in the fleet (routing: latest): the one most recently
+        # installed through the gateway or first seen on an engine, written by
+        # gateway/fleet/engines.py.
         self.latest_version: str | None = None
+        # Every weight version a member was seen to serve, oldest first (bounded): one seen
+        # before is a rollback or a restart, never newer weights.
+        self.versions_seen: dict[str, None] = {}
         self.update(urls)
 
     # -- membership ----------------------------------------------------------------------

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from gateway.config import BackendsConfig
+from gateway.fleet import engines
 from gateway.fleet.membership import Fleet
 from gateway.fleet.shared import (
     Change,
@@ -152,3 +153,24 @@ def test_a_document_with_adapters_of_the_wrong_type_is_damaged() -> None:
         validate(doc)
     doc["backends"] = {A: {"lora_adapters": ["x"]}}
     assert validate(doc) is doc
+
+
+async def test_a_worker_keeps_what_an_engine_reported_when_a_sibling_shares_a_change(
+    tmp_path: Path,
+) -> None:
+    """The document holds the versions control calls wrote; an engine updated directly since
+    (each worker reads it on its probes) must not go back to it when a sibling shares
+    something else."""
+    path = tmp_path / "fleet.json"
+    write_document(path, new_document([A]))
+    fleet, shared = await _worker(path, 0, 2)
+    sibling = SharedState(path, 1, 2)
+    await sibling.record(Change(states={A: {"weight_version": "v1"}}, latest_version="v1"))
+    await shared.take(shared.load())
+    (backend,) = fleet.pool.backends
+    assert backend.weight_version == "v1"
+    engines.reported(fleet.pool, backend, "v2", engines.mark(backend))  # its own report
+    await sibling.record(Change(states={A: {"paused": True}}))
+    await shared.take(shared.load())
+    assert backend.paused
+    assert (backend.weight_version, fleet.pool.latest_version) == ("v2", "v2")

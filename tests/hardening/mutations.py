@@ -1170,6 +1170,75 @@ MUTATIONS = [
         "if (disaggregated := None) is not None:",
         ["tests/edge/test_fanout.py::test_only_prefill_and_decode_workers_answer_503"],
     ),
+    # -- issue 21: the engines' own truth (weight versions, the fleet's loads) -------------
+    (
+        "weights read from an engine only when it joins",
+        "gateway/fleet/engines.py",
+        "    if version is None or backend.version_writes != since:",
+        "    if version is None or backend.version_writes != since or backend.weight_version is not None:",
+        [
+            "tests/edge/test_fleet_truth.py::test_an_engine_updated_behind_the_gateway_is_seen_within_one_probe_interval"
+        ],
+    ),
+    (
+        "a weight read older than an update replaces it",
+        "gateway/fleet/engines.py",
+        "    if version is None or backend.version_writes != since:",
+        "    if version is None:",
+        [
+            "tests/edge/test_fleet_truth.py::test_a_weight_read_older_than_an_update_does_not_undo_it"
+        ],
+    ),
+    (
+        "an engine back at old weights becomes the latest",
+        "gateway/fleet/engines.py",
+        "    newer = before is not None and version not in pool.versions_seen",
+        "    newer = before is not None",
+        [
+            "tests/edge/test_fleet_truth.py::test_an_engine_back_at_weights_the_fleet_had_does_not_become_the_latest"
+        ],
+    ),
+    (
+        "the shared document reasserts a version an engine moved on from",
+        "gateway/fleet/membership.py",
+        "        engines.adopt(self.pool, doc, before=before)",
+        "        engines.adopt(self.pool, doc)",
+        [
+            "tests/fleet/test_shared.py::test_a_worker_keeps_what_an_engine_reported_when_a_sibling_shares_a_change"
+        ],
+    ),
+    (
+        "the fleet's loads as a list of engine answers",
+        "gateway/edge/fleet_control.py",
+        "        if route.path in fleet_reads.LOADS_PATHS:",
+        "        if False:",
+        ["tests/edge/test_fleet_truth.py::test_the_fleets_loads_read_like_one_engines"],
+    ),
+    (
+        "an engine answering without loads counts as idle",
+        "gateway/edge/fleet_reads.py",
+        '        loads = body.get("loads") if isinstance(body, dict) else None',
+        '        loads = body.get("loads", []) if isinstance(body, dict) else None',
+        ["tests/edge/test_fleet_truth.py::test_a_fleet_load_short_of_an_engine_is_a_502_naming_it"],
+    ),
+    (
+        "the fleet's weight version claimed while the engines disagree",
+        "gateway/edge/fleet_reads.py",
+        "    fleet = served.pop() if len(served) == 1 else None",
+        "    fleet = pool.latest_version",
+        [
+            "tests/edge/test_fleet_truth.py::test_an_engine_updated_behind_the_gateway_is_seen_within_one_probe_interval"
+        ],
+    ),
+    (
+        "an older release asked at the renamed path on every probe",
+        "gateway/edge/clients.py",
+        "                legacy[url] = None\n",
+        "                pass\n",
+        [
+            "tests/edge/test_fleet_truth.py::test_an_older_release_is_read_at_its_own_path_after_one_404"
+        ],
+    ),
 ]
 
 
