@@ -6,7 +6,13 @@ admission rule, coded independently of the gateway so that the two can check eac
 Faults are scripted per request with ``X-Stub-*`` headers or per instance with attributes.
 
 SGLang's rules live in rules.py (with where they only approximate SGLang), the faults it
-plays in faults.py.
+plays in faults.py, the token logprobs it reports in logprobs.py.
+
+RL frameworks read it as they read an engine: `/generate` with `return_logprob` answers
+`meta_info.output_token_logprobs` / `input_token_logprobs` ([logprob, token_id, text]
+triples, fixed by the prompt's ids), aborted generations answer as fully as finished ones,
+`/v1/loads` counts the batch items running now, and `/get_weight_version` follows the
+weight updates (see docs/sglang-contract.md s.7 and s.9 for the shapes).
 A long-lived stub (compose, `sglang-gateway stub`) remembers only its last `--keep` requests,
 each body cut to `--keep-body-bytes`, so its memory stays bounded.
 """
