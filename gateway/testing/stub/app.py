@@ -6,7 +6,13 @@ admission rule, coded independently of the gateway so that the two can check eac
 Faults are scripted per request with ``X-Stub-*`` headers or per instance with attributes.
 
 SGLang's rules live in rules.py (with where they only approximate SGLang), the faults it
-plays in faults.py.
+plays in faults.py, the token logprobs it reports in logprobs.py.
+
+RL frameworks read it as they read an engine: `/generate` with `return_logprob` answers
+`meta_info.output_token_logprobs` / `input_token_logprobs` ([logprob, token_id, text]
+triples, fixed by the prompt's ids), aborted generations answer as fully as finished ones,
+`/v1/loads` counts the batch items running now, and `/get_weight_version` follows the
+weight updates (see docs/sglang-contract.md s.7 and s.9 for the shapes).
 A long-lived stub (compose, `sglang-gateway stub`) remembers only its last `--keep` requests,
 each body cut to `--keep-body-bytes`, so its memory stays bounded.
 """
@@ -24,6 +30,7 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import orjson
@@ -42,6 +49,7 @@ from gateway.testing.stub.faults import (
     header_int,
     padded_rows,
 )
+from gateway.testing.stub.logprobs import Ask, Logprobs, openai_chat, openai_completion, prompt_ids
 from gateway.testing.stub.rules import (
     GENERATION_PATHS,
     Item,
@@ -52,6 +60,7 @@ from gateway.testing.stub.rules import (
     generate_out,
     json_response,
     lax_bool,
+    lax_int,
     mask_top_k,
     max_tokens,
     parse,
@@ -65,6 +74,20 @@ _Json = dict[str, Any]
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_LOAD_SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})
+
+_DISAGG_COUNTS = (
+    "prefill_bootstrap_queue_reqs",
+    "prefill_inflight_queue_reqs",
+    "decode_prealloc_queue_reqs",
+    "decode_transfer_queue_reqs",
+    "decode_retracted_queue_reqs",
+)
+
+_MAX_TOTAL_TOKENS = 1 << 20  # the KV pool it claims: large enough never to be the limit
+
+_MAX_RUNNING_REQUESTS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +104,14 @@ class Received:
 
 def _sse(obj: object) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def _openai_logprobs(prompt: object, top: object) -> Logprobs:
+    """The OpenAI routes ask the engine for output logprobs with their text (serving_chat.py,
+    serving_completions.py: `return_text_in_logprobs=True`)."""
+    ids = prompt_ids(prompt)
+    k = 0 if top is None else max(0, lax_int(top, "top_logprobs"))
+    return Logprobs(Ask(len(ids), k, None, True), ids)
 
 
 def _run_of(body: bytes) -> Run:
@@ -135,6 +166,7 @@ class StubBackend:
         keep_body_bytes: int | None = None,
         sampling_mask_max_tokens: int = 4096,
         speculative_algorithm: str | None = None,
+        weight_version_route: bool = True,
     ) -> None:
         self.model = model
         self.version = version
@@ -163,6 +195,9 @@ class StubBackend:
         # An RL engine's state: pause_generation holds new generations until
         # continue_generation; weight updates set the version every answer reports.
         self.weight_version = "default"
+        # GET /get_weight_version answers {"weight_version"} (slime's patched SGLang) when
+        # on, upstream SGLang's 404 when off.
+        self.weight_version_route = weight_version_route
         self.asleep = False
         self.pause_mode: str | None = None  # abort, retract or in_place while paused
         self.aborted = 0  # generations ended by abort_request or pause_generation
@@ -174,7 +209,8 @@ class StubBackend:
         self._runs: set[Run] = set()
         self._unpaused = asyncio.Event()
         self._unpaused.set()
-        self._waiting = 0
+        self._waiting = 0  # generation requests held in the queue
+        self._waiting_items = 0  # their batch items, as SGLang counts waiting requests
         self._generated_tokens = 0
         self._runner: web.AppRunner | None = None
         self._host = "127.0.0.1"
@@ -219,6 +255,9 @@ class StubBackend:
             ("POST", "/unload_lora_adapter", self._lora),
             ("GET", "/v1/loads", self._loads),
             ("GET", "/get_loads", self._loads),
+            ("GET", "/get_load", self._get_load),
+            ("GET", "/get_weight_version", self._weight_version),
+            ("GET", "/weight_version", self._weight_version),
             ("GET", "/flush_cache", self._flush_cache),
             ("POST", "/flush_cache", self._flush_cache),
             ("GET", "/metrics", self._metrics),
@@ -331,7 +370,7 @@ class StubBackend:
         if gen:
             # Paused when it came: it waits in the queue (then in place or not, it queues).
             if await self._hold(ctx, delay, arriving=not self._unpaused.is_set()):
-                return self._aborted_reply(request, ctx)
+                return await self._aborted_reply(request, ctx)
         elif delay > 0:
             await asyncio.sleep(delay)
         if ctx.drop == "before-headers":
@@ -399,6 +438,7 @@ class StubBackend:
             return run.aborted.is_set()
         queued = arriving or self.pause_mode != "in_place"
         self._waiting += queued
+        self._waiting_items += run.size * queued
         try:
             waits = {
                 asyncio.ensure_future(self._unpaused.wait()),
@@ -411,6 +451,7 @@ class StubBackend:
                     w.cancel()
         finally:
             self._waiting -= queued
+            self._waiting_items -= run.size * queued
         return run.aborted.is_set()
 
     def _abort_runs(self, runs: Iterable[Run], message: str = "Abort request") -> None:
@@ -420,21 +461,40 @@ class StubBackend:
                 run.aborted.set()
                 self.aborted += 1
 
-    def _aborted_out(self, request: web.Request, ctx: Ctx) -> list[_Json]:
-        """What an aborted generation answers: SGLang's finish_reason of type abort."""
+    async def _aborted_out(self, request: web.Request, ctx: Ctx) -> list[_Json]:
+        """What an aborted generation answers: SGLang's finish_reason of type abort, on a
+        /generate answer as full as a finished one (the tokens so far, their logprobs when
+        asked, the counts), since RL clients read those fields on aborts too."""
         run = ctx.run
         size = run.size if run is not None else 1
         rids = list(run.rids) if run is not None and run.rids else []
         rids += [uuid.uuid4().hex for _ in range(size - len(rids))]
         reason = {"type": "abort", "message": run.abort_message if run else "Abort request"}
         if request.path == "/generate":
-            meta = {"finish_reason": reason, "weight_version": self.weight_version}
-            return [{"text": "", "output_ids": [], "meta_info": {"id": rid} | meta} for rid in rids]
+            if ctx.items is None:  # aborted before it was read: read it now
+                try:
+                    ctx.items, _ = generate_items(parse(await request.read()), self.release)
+                except Reject:
+                    ctx.items = []
+            if len(ctx.items) != size:
+                meta = {"finish_reason": reason, "weight_version": self.weight_version}
+                outs = [{"text": "", "output_ids": [], "meta_info": {"id": r} | meta} for r in rids]
+                return outs
+            done = ctx.done or [0] * size
+            outs = []
+            for i, item in enumerate(ctx.items):
+                out = generate_out(
+                    item, done[i], ctx.started, weight_version=self.weight_version, reason=reason
+                )
+                if ctx.done is not None and run is not None and run.batch:
+                    out["index"] = i  # a batch stream's events name their item
+                outs.append(out)
+            return outs
         choice = {"index": 0, "text": "", "finish_reason": "abort"}
         return [{"id": rids[0], "choices": [choice]}]
 
-    def _aborted_reply(self, request: web.Request, ctx: Ctx) -> web.StreamResponse:
-        outs = self._aborted_out(request, ctx)
+    async def _aborted_reply(self, request: web.Request, ctx: Ctx) -> web.StreamResponse:
+        outs = await self._aborted_out(request, ctx)
         batch = ctx.run is not None and ctx.run.batch
         return json_response(outs if batch else outs[0])
 
@@ -478,7 +538,7 @@ class StubBackend:
             if ctx.drop == "mid-body" and i >= MID_BODY_EVENTS:
                 break
             if await self._hold(ctx, ctx.chunk_delay_s if i else 0.0):
-                for out in self._aborted_out(request, ctx):
+                for out in await self._aborted_out(request, ctx):
                     await resp.write(_sse(out))
                 break
             await resp.write(_sse(event))
@@ -507,6 +567,7 @@ class StubBackend:
             reason = {"type": "abort", "message": exc.message, "status_code": exc.status}
             meta = {"id": uuid.uuid4().hex, "finish_reason": reason, "prompt_tokens": 0}
             return await self._stream(request, [{"text": "", "output_ids": [], "meta_info": meta}])
+        ctx.items = items
         if stream:
             return await self._stream(request, self._generate_events(request, items, batch, ctx))
         outs = [
@@ -531,6 +592,7 @@ class StubBackend:
         self, request: web.Request, items: list[Item], batch: bool, ctx: Ctx
     ) -> Iterator[_Json]:
         counts = [self._events(request, it.max_new) for it in items]
+        ctx.done = [0] * len(items)
         for step in range(1, max(counts, default=0) + 1):
             for index, (item, n) in enumerate(zip(items, counts, strict=True)):
                 if step > n:
@@ -542,6 +604,8 @@ class StubBackend:
                 if batch:
                     out["index"] = index
                 yield out
+                # Resumed only once that event was written: an abort meanwhile reports it.
+                ctx.done[index] = step
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = parse(await request.read())
@@ -561,15 +625,20 @@ class StubBackend:
             )
         n = max_tokens(body.get("max_completion_tokens", body.get("max_tokens")))
         base = self._openai_base(body, "chatcmpl-", "chat.completion.chunk")
+        lp = None
+        if lax_bool(body.get("logprobs")):  # serving_chat.py: top_logprobs or 0, with text
+            lp = _openai_logprobs(body.get("messages"), body.get("top_logprobs"))
         if stream:
             # The role rides on the first content delta so that X-Stub-Events counts every event.
             def delta(i: int, piece: str) -> _Json:
-                return {"delta": {"content": piece} | ({"role": "assistant"} if i == 0 else {})}
+                part = {"delta": {"content": piece} | ({"role": "assistant"} if i == 0 else {})}
+                return part | ({"logprobs": openai_chat(lp, i, i + 1)} if lp else {})
 
             return await self._choice_stream(request, base, n, delta)
         prompt = words(body.get("messages"))
         message = {"role": "assistant", "content": self._text(n), "tool_calls": None}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": "length"}
+        logprobs = openai_chat(lp, 0, n) if lp else None
+        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": "length"}
         if with_meta:
             item = Item(prompt, n, mask_k, base["id"])
             choice["meta_info"] = generate_out(
@@ -583,9 +652,24 @@ class StubBackend:
         body = parse(await request.read())
         n = max_tokens(body.get("max_tokens"))
         base = self._openai_base(body, "cmpl-", "text_completion")
+        lp = None
+        if body.get("logprobs") is not None:  # an int: the top logprobs wanted, 0 for none
+            lp = _openai_logprobs(body.get("prompt"), body.get("logprobs"))
         if lax_bool(body.get("stream")):
-            return await self._choice_stream(request, base, n, lambda _, p: {"text": p})
-        choice = {"index": 0, "text": self._text(n), "logprobs": None, "finish_reason": "length"}
+
+            def part(i: int, piece: str) -> _Json:
+                return {"text": piece} | (
+                    {"logprobs": openai_completion(lp, i, i + 1)} if lp else {}
+                )
+
+            return await self._choice_stream(request, base, n, part)
+        logprobs = openai_completion(lp, 0, n) if lp else None
+        choice = {
+            "index": 0,
+            "text": self._text(n),
+            "logprobs": logprobs,
+            "finish_reason": "length",
+        }
         return json_response(base | {"choices": [choice]} | usage(words(body.get("prompt")), n))
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
@@ -623,7 +707,7 @@ class StubBackend:
 
         def event(i: int, piece: str) -> _Json:
             finish = "length" if i == len(pieces) - 1 else None
-            choice = {"index": 0} | part(i, piece) | {"logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "logprobs": None} | part(i, piece) | {"finish_reason": finish}
             return base | {"choices": [choice]}
 
         return await self._stream(request, (event(i, p) for i, p in enumerate(pieces)))
@@ -812,18 +896,114 @@ class StubBackend:
                 raise Reject(message)
         return await handler(request)
 
+    def _load(self) -> _Json:
+        """This engine's one DP rank as SGLang's LoadSnapshot has it (load_snapshot.py), the
+        requests counted one per batch item as its scheduler counts them."""
+        items = sum(run.size for run in self._runs)
+        waiting = self._waiting_items
+        core: _Json = {
+            "timestamp": time.time(),
+            "dp_rank": 0,
+            "num_running_reqs": items - waiting,
+            "num_waiting_reqs": waiting,
+            "num_waiting_uncached_tokens": 0,
+            "num_used_tokens": 0,
+            "num_total_tokens": 0,
+            "num_active_tokens": 0,
+        }
+        if self.release.patch >= 23:
+            core["num_prealloc_ready_tokens"] = 0
+        return core | {
+            "max_total_num_tokens": _MAX_TOTAL_TOKENS,
+            "max_running_requests": _MAX_RUNNING_REQUESTS,
+            "token_usage": 0.0,
+            "gen_throughput": 0.0,
+            "cache_hit_rate": 0.0,
+            "utilization": round(min(1.0, items / _MAX_RUNNING_REQUESTS), 4),
+            "total_prefill_uncached_tokens": 0,
+            "total_prefill_busy_us": 0,
+            "decode_moments": None,
+        }
+
     async def _loads(self, request: web.Request) -> web.StreamResponse:
+        # GET /v1/loads?include=core,...&dp_rank=N (entrypoints/v1_loads.py, 0.5.19).
+        include_q = request.query.get("include")
+        include = {s.strip() for s in include_q.split(",")} if include_q else None
+        if include is not None and not include <= _LOAD_SECTIONS:
+            bad = "{" + ", ".join(repr(s) for s in sorted(include - _LOAD_SECTIONS)) + "}"
+            message = f"Invalid include sections: {bad}. Valid options: {sorted(_LOAD_SECTIONS)}"
+            body = {"object": "error", "message": message, "type": "400", "param": None}
+            return json_response(body | {"code": 400}, 400)
+        dp_rank = request.query.get("dp_rank")
+        load = self._load()
+        sections: frozenset[str] | set[str] = (
+            _LOAD_SECTIONS if include is None or "all" in include else include
+        )
+        # SGLang always builds these three; spec and lora only with those features on.
+        if "memory" in sections:
+            memory = {"weight_gb": 0.0, "kv_cache_gb": 0.0, "graph_gb": 0.0}
+            load["memory"] = memory | {"token_capacity": _MAX_TOTAL_TOKENS}
+        if "disagg" in sections:
+            load["disaggregation"] = {
+                "mode": "null",
+                **dict.fromkeys(_DISAGG_COUNTS, 0),
+                "kv_transfer_speed_gb_s": 0.0,
+                "kv_transfer_latency_ms": 0.0,
+            }
+        if "queues" in sections:
+            load["queues"] = {
+                "waiting": self._waiting_items,
+                "grammar": 0,
+                "paused": 0,
+                "retracted": 0,
+                "prealloc_ready": 0,
+            }
+        loads = [load] if dp_rank is None or dp_rank.strip() == "0" else []
         return json_response(
             {
-                "loads": [
-                    {
-                        "dp_rank": 0,
-                        "num_running_reqs": self._running - self._waiting,
-                        "num_waiting_reqs": self._waiting,
-                    }
-                ]
+                "timestamp": datetime.now(UTC).isoformat(),
+                "version": self.version,
+                "accelerator": None,  # SGLang's device name; None where it has none
+                "num_accelerators": 1,
+                "loads": loads,
             }
         )
+
+    async def _get_load(self, request: web.Request) -> web.StreamResponse:
+        # The deprecated list-shaped shim of 0.5.18-0.5.19, built from the same snapshot.
+        if self.release.patch >= 23:
+            return json_response({"detail": "Not Found"}, 404)
+        load = self._load()
+        return json_response(
+            [
+                {
+                    "dp_rank": 0,
+                    "num_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
+                    "num_waiting_reqs": load["num_waiting_reqs"],
+                    "num_tokens": load["num_total_tokens"],
+                    "num_pending_tokens": load["num_total_tokens"] - load["num_used_tokens"],
+                    "ts_tic": time.perf_counter(),
+                }
+            ]
+        )
+
+    async def _weight_version(self, request: web.Request) -> web.StreamResponse:
+        """GET /get_weight_version and /weight_version. Upstream SGLang answers them 404
+        (0.5.18-0.5.19: deprecated, "use /model_info"; 0.5.23: no such route); the SGLang
+        that slime ships patches them back to {"weight_version": ...}
+        (THUDM/slime docker/patch/latest/sglang.patch), and slime's engine reads it
+        (slime/backends/sglang_utils/sglang_engine.py `get_weight_version`). The stub plays
+        the patched engine unless `weight_version_route` is off."""
+        if self.weight_version_route:
+            return json_response({"weight_version": self.weight_version})
+        if self.release.patch >= 23:
+            return json_response({"detail": "Not Found"}, 404)
+        message = (
+            "Endpoint '/get_weight_version' or '/weight_version' is deprecated. "
+            "Please use '/model_info' instead."
+        )
+        body = {"object": "error", "message": message, "type": "404", "param": None}
+        return json_response(body | {"code": 404}, 404)
 
     async def _flush_cache(self, request: web.Request) -> web.StreamResponse:
         if self._runs or self.pause_mode == "in_place":

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from gateway.testing.stub.rules import Item
+
 PAD_CHUNK = 64 * 1024
 
 PAD_RESERVE = 4096
@@ -30,6 +32,8 @@ class Ctx:
     chunk_delay_s: float = 0.0
     dropped: bool = False
     run: Run | None = None  # set on generation requests
+    items: list[Item] | None = None  # a /generate request's items, once read
+    done: list[int] | None = None  # the tokens a /generate stream has sent, per item
 
 
 @dataclass(eq=False, slots=True)

@@ -21,6 +21,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from gateway.testing.stub.logprobs import OUTPUT_ID_BASE, Ask, Logprobs, prompt_ids
+
 TOP_K_ALL = 1 << 30
 
 VOCAB_SIZE = 32000
@@ -66,9 +68,11 @@ class Reject(Exception):
 @dataclass(slots=True)
 class Item:
     prompt_tokens: int
-    max_new: int
+    max_new: int  # the tokens it generates: max_new_tokens, or up to its stop token
     mask_k: int | None
     rid: str
+    logprobs: Logprobs | None = None  # set when it asked for return_logprob
+    stop_id: int | None = None  # the stop_token_ids entry its last token matches
 
 
 def json_response(obj: object, status: int = 200) -> web.Response:
@@ -209,6 +213,54 @@ def parse(body: bytes) -> _Json:
     return obj
 
 
+def _per_item(value: object, i: int, batch: bool) -> object:
+    # SGLang's normalize_param: a list holds one value per batch item, a scalar is shared.
+    return value[i] if batch and isinstance(value, list) and i < len(value) else value
+
+
+def logprob_ask(body: _Json, i: int, batch: bool, prompt: list[int]) -> Ask | None:
+    """What item i asked of return_logprob, as SGLang's scheduler resolves it (scheduler.py
+    `handle_generate_request`), or None when it asked for no logprobs."""
+    if not lax_bool(_per_item(body.get("return_logprob"), i, batch)):
+        return None
+    start_v, top_v = (
+        _per_item(body.get(k), i, batch) for k in ("logprob_start_len", "top_logprobs_num")
+    )
+    start = -1 if start_v is None else lax_int(start_v, "logprob_start_len")
+    top = 0 if top_v is None else max(0, lax_int(top_v, "top_logprobs_num"))
+    ids_v = body.get("token_ids_logprob")
+    if batch and isinstance(ids_v, list) and ids_v and isinstance(ids_v[0], list):
+        ids_v = ids_v[i] if i < len(ids_v) else None
+    token_ids = tuple(t for t in ids_v if isinstance(t, int)) if isinstance(ids_v, list) else None
+    token_ids = token_ids or None  # SGLang: an empty list is None
+    n = len(prompt)
+    if start == -1:
+        # The output's logprobs only; with token_ids_logprob SGLang keeps -1, which slices
+        # the prompt's last position.
+        start = n if token_ids is None else max(0, n - 1)
+    elif start < 0:
+        start = max(0, n + start)  # origin_input_ids[start:], as Python slices it
+    elif start > n:
+        raise Reject(
+            f"req.logprob_start_len={start} is higher than the number of input tokens "
+            f"len(req.origin_input_ids)={n}. Please use a smaller logprob_start_len.",
+            admission=True,
+        )
+    return Ask(start, top, token_ids, lax_bool(body.get("return_text_in_logprobs")))
+
+
+def _stop_at(sp: _Json, n: int) -> tuple[int, int | None]:
+    """The tokens generated and the stop token matched: output token i is id 100 + i, so
+    `stop_token_ids` naming one of them ends the output there (the token is kept)."""
+    stops = sp.get("stop_token_ids")
+    if isinstance(stops, list):
+        hits = [t - OUTPUT_ID_BASE for t in stops if isinstance(t, int) and not isinstance(t, bool)]
+        first = min((h for h in hits if 0 <= h < n), default=None)
+        if first is not None:
+            return first + 1, OUTPUT_ID_BASE + first
+    return n, None
+
+
 def generate_items(body: _Json, release: Release = Release()) -> tuple[list[Item], bool]:
     text, input_ids = body.get("text"), body.get("input_ids")
     prompts: list[object]
@@ -235,25 +287,55 @@ def generate_items(body: _Json, release: Release = Release()) -> tuple[list[Item
         )
         item_rid = rid[i] if isinstance(rid, list) and i < len(rid) else rid
         item_rid = item_rid if isinstance(item_rid, str) else uuid.uuid4().hex
-        items.append(Item(words(prompt), max_tokens(sp.get("max_new_tokens")), mask_k, item_rid))
+        n, stop_id = _stop_at(sp, max_tokens(sp.get("max_new_tokens")))
+        logprobs = None
+        if body.get("return_logprob"):
+            ids = prompt_ids(prompt)
+            ask = logprob_ask(body, i, batch, ids)
+            logprobs = None if ask is None else Logprobs(ask, ids)
+        items.append(Item(words(prompt), n, mask_k, item_rid, logprobs, stop_id))
     return items, batch
 
 
+def finish_reason(item: Item, n: int) -> _Json:
+    if item.stop_id is not None and n == item.max_new:
+        return {"type": "stop", "matched": item.stop_id}
+    return {"type": "length", "length": n}
+
+
 def generate_out(
-    item: Item, n: int, started: float, *, final: bool = True, weight_version: str = "default"
+    item: Item,
+    n: int,
+    started: float,
+    *,
+    final: bool = True,
+    weight_version: str = "default",
+    reason: _Json | None = None,
 ) -> _Json:
+    """One /generate answer after `n` tokens, in the key order of SGLang's tokenizer manager
+    (`_handle_batch_output`); `reason` ends it otherwise than by its length (an abort)."""
+    if final and reason is None:
+        reason = finish_reason(item, n)
     meta: _Json = {
         "id": item.rid,
-        "finish_reason": {"type": "length", "length": n} if final else None,
+        "finish_reason": reason if final else None,
         "prompt_tokens": item.prompt_tokens,
         "weight_version": weight_version,
-        "completion_tokens": n,
-        "cached_tokens": 0,
-        "e2e_latency": round(time.monotonic() - started, 6),
+        "num_retractions": 0,
     }
+    if item.logprobs is not None:
+        meta.update(item.logprobs.meta(n))
     if item.mask_k is not None and final:
         meta.update(mask_meta(n, item.mask_k))
-    return {"text": "".join(token_pieces(n)), "output_ids": ids(n), "meta_info": meta}
+    meta["reasoning_tokens"] = 0
+    meta["completion_tokens"] = n
+    meta["cached_tokens"] = 0
+    if final:  # SGLang stamps the latency when the request finishes
+        meta["e2e_latency"] = round(time.monotonic() - started, 6)
+    # A matched stop token stays in output_ids and leaves the text (detokenizer_manager.py
+    # `trim_matched_stop`).
+    shown = n - 1 if final and reason is not None and reason.get("type") == "stop" else n
+    return {"text": "".join(token_pieces(shown)), "output_ids": ids(n), "meta_info": meta}
 
 
 def usage(prompt: int, n: int) -> _Json:
