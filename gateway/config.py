@@ -31,6 +31,7 @@ from pydantic import (
 from gateway.contract.lax import TOP_K_ALL
 from gateway.contract.profiles import MaskProfile, pinned
 from gateway.contract.routes import GENERATION_ROUTES, canonical_path
+from gateway.fleet.balancers import SMG_POLICIES, SMG_UNSUPPORTED
 
 
 class ConfigError(Exception):
@@ -165,6 +166,9 @@ class KubernetesConfig(_Model):
         return self.label_selector
 
 
+_BALANCERS: Final = ("least_inflight", "round_robin", "power_of_two", "consistent_hash", "random")
+
+
 class BackendsConfig(_Model):
     # registry: membership changed over HTTP (POST /workers, as sglang-router and SMG take
     # it), seeded with backends.static.
@@ -172,9 +176,10 @@ class BackendsConfig(_Model):
     static: list[BackendUrl] = Field(default_factory=list)
     dns: DnsConfig | None = None
     kubernetes: KubernetesConfig | None = None
-    balancer: Literal["least_inflight", "round_robin", "power_of_two", "consistent_hash"] = (
-        "least_inflight"
-    )
+    # sglang-router's --policy names are taken too (SMG_POLICIES): see _smg_policy.
+    balancer: Literal[
+        "least_inflight", "round_robin", "power_of_two", "consistent_hash", "random"
+    ] = "least_inflight"
     # consistent_hash: the request header whose value picks the worker (RL session id).
     hash_header: Annotated[str, Field(min_length=1)] = "X-Session-Id"
     seed: int | None = None  # for reproducible power_of_two choices
@@ -185,6 +190,29 @@ class BackendsConfig(_Model):
     queue_timeout_s: Annotated[float, Field(ge=0, le=3600)] = 5.0
     health: HealthConfig = HealthConfig()
     passive: PassiveConfig = PassiveConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _smg_policy(cls, data: Any) -> Any:
+        """An sglang-router policy name becomes the balancer closest to it (consistent_hashing
+        and manual with hash_header X-SMG-Routing-Key unless hash_header is set), so the
+        effective config names what runs; one with no equivalent is refused, saying why."""
+        if not isinstance(data, dict):
+            return data
+        name = data.get("balancer")
+        if not isinstance(name, str):
+            return data
+        if name in SMG_UNSUPPORTED:
+            raise ValueError(
+                f"balancer {name!r} (sglang-router's --policy {name}) has no equivalent in "
+                f"the gateway: {SMG_UNSUPPORTED[name]}"
+            )
+        if name in SMG_POLICIES and name not in _BALANCERS:
+            balancer, header = SMG_POLICIES[name]
+            data = {**data, "balancer": balancer}
+            if header is not None and "hash_header" not in data:
+                data["hash_header"] = header
+        return data
 
     @model_validator(mode="after")
     def _discovery_configured(self) -> BackendsConfig:
