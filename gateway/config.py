@@ -268,6 +268,19 @@ class RoutingConfig(_Model):
     weight_version: Literal["any", "latest"] = "any"
 
 
+class EngineMetricsConfig(_Model):
+    """GET /engine_metrics and /metrics on the main port: every engine's /metrics, merged."""
+
+    # Each engine's whole answer is due within this (SMG waits 5 s).
+    timeout_s: Annotated[float, Field(gt=0, le=300)] = 5.0
+    # An engine that sends more is left out of the answer (a comment says so). SGLang's
+    # text is tens of KB, a few MB with many LoRA adapters or histogram labels.
+    max_bytes_per_engine: Annotated[int, Field(ge=1024, le=1 << 30)] = 8 << 20
+    # All engines together: the answer is held whole, so this bounds its memory; engines
+    # whose text would pass it are left out.
+    max_total_bytes: Annotated[int, Field(ge=1024, le=1 << 32)] = 64 << 20
+
+
 class ReloadConfig(_Model):
     # Poll the config file's modification time this often and reload on change (SIGHUP
     # always reloads). None: no polling.
@@ -485,6 +498,7 @@ class GatewayConfig(_Model):
     auth: AuthConfig = AuthConfig()
     control: ControlConfig = ControlConfig()
     routing: RoutingConfig = RoutingConfig()
+    engine_metrics: EngineMetricsConfig = EngineMetricsConfig()
     logging: LoggingConfig = LoggingConfig()
     reload: ReloadConfig = ReloadConfig()
     tracing: TracingConfig = TracingConfig()
