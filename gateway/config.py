@@ -31,7 +31,6 @@ from pydantic import (
 from gateway.contract.lax import TOP_K_ALL
 from gateway.contract.profiles import MaskProfile, pinned
 from gateway.contract.routes import GENERATION_ROUTES, canonical_path
-from gateway.fleet.balancers import SMG_POLICIES, SMG_UNSUPPORTED
 
 
 class ConfigError(Exception):
@@ -166,7 +165,51 @@ class KubernetesConfig(_Model):
         return self.label_selector
 
 
-_BALANCERS: Final = ("least_inflight", "round_robin", "power_of_two", "consistent_hash", "random")
+# The balancers gateway/fleet/balancers.py implements (BALANCERS there).
+BALANCER_NAMES: Final = (
+    "least_inflight",
+    "round_robin",
+    "power_of_two",
+    "consistent_hash",
+    "random",
+)
+
+# The header SMG's consistent_hashing and manual policies read a session's key from.
+SMG_ROUTING_KEY: Final = "X-SMG-Routing-Key"
+
+# sglang-router / SMG `--policy` names (SMG bindings/python/src/smg/router_args.py,
+# COMMON_POLICY_CHOICES) taken as backends.balancer, each as the closest balancer here and
+# the hash header it reads (None: backends.hash_header as configured).
+SMG_POLICIES: Final[Mapping[str, tuple[str, str | None]]] = {
+    "round_robin": ("round_robin", None),
+    "random": ("random", None),
+    "power_of_two": ("power_of_two", None),
+    # A ring over the members keyed by X-SMG-Routing-Key, as SMG's; without the header,
+    # least-inflight here where SMG picks at random.
+    "consistent_hashing": ("consistent_hash", SMG_ROUTING_KEY),
+    # SMG's manual policy pins each X-SMG-Routing-Key to the worker it first went to, in one
+    # router's memory. The ring pins it as firmly while that worker is routable, and every
+    # --workers process and every gateway replica agrees on it; adding a member moves a
+    # share of the keys, where manual moves none.
+    "manual": ("consistent_hash", SMG_ROUTING_KEY),
+    # Fewest requests in flight through the gateway, where SMG's reads each engine's load.
+    "least_load": ("least_inflight", None),
+}
+
+# SMG policies with nothing close enough here: refused at start, saying what to use instead.
+SMG_UNSUPPORTED: Final[Mapping[str, str]] = {
+    "cache_aware": (
+        "SMG's cache_aware keeps a prefix tree of every prompt; the gateway has none yet. "
+        "For prefix-cache affinity of multi-turn sessions use consistent_hashing (the "
+        "session's X-SMG-Routing-Key picks the engine); for load alone, power_of_two"
+    ),
+    "prefix_hash": (
+        "SMG's prefix_hash hashes each prompt's first tokens; the gateway has no such "
+        "balancer. Use consistent_hashing with an X-SMG-Routing-Key per session"
+    ),
+    "passthrough": "SMG's passthrough is for OpenAI-style upstreams, not SGLang engines",
+    "bucket": "SMG's bucket policy is for prefill workers, and the gateway has no PD routing yet",
+}
 
 
 class BackendsConfig(_Model):
@@ -207,7 +250,7 @@ class BackendsConfig(_Model):
                 f"balancer {name!r} (sglang-router's --policy {name}) has no equivalent in "
                 f"the gateway: {SMG_UNSUPPORTED[name]}"
             )
-        if name in SMG_POLICIES and name not in _BALANCERS:
+        if name in SMG_POLICIES and name not in BALANCER_NAMES:
             balancer, header = SMG_POLICIES[name]
             data = {**data, "balancer": balancer}
             if header is not None and "hash_header" not in data:

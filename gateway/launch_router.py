@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, Final, NoReturn
 
-from gateway.fleet.balancers import BALANCERS, SMG_POLICIES, SMG_UNSUPPORTED
+from gateway.config import BALANCER_NAMES, SMG_POLICIES, SMG_UNSUPPORTED
 
 EXIT_USAGE: Final = 2
 
@@ -89,7 +89,7 @@ def _parser() -> _Parser:
     p.add_argument(
         "--port", type=int, default=DEFAULT_PORT, help="listen.port (default 30000, SMG's)"
     )
-    names = sorted({*SMG_POLICIES, *BALANCERS, *SMG_UNSUPPORTED})
+    names = sorted({*SMG_POLICIES, *BALANCER_NAMES, *SMG_UNSUPPORTED})
     p.add_argument(
         "--policy",
         metavar="NAME",
@@ -169,7 +169,7 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
         # Checked by the config too (backends.balancer); said here in the flag's words.
         if args.policy in SMG_UNSUPPORTED:
             _usage_error(f"--policy {args.policy}: {SMG_UNSUPPORTED[args.policy]}.")
-        if args.policy not in SMG_POLICIES and args.policy not in BALANCERS:
+        if args.policy not in SMG_POLICIES and args.policy not in BALANCER_NAMES:
             _usage_error(f"--policy {args.policy}: not a policy the gateway knows.")
         out["backends.balancer"] = args.policy
     if args.request_timeout_secs is not None:

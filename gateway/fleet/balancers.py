@@ -11,8 +11,8 @@ import bisect
 import hashlib
 import itertools
 import random
-from collections.abc import Callable, Mapping, Sequence
-from typing import Final, Protocol, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
 
 
 class Candidate(Protocol):
@@ -161,41 +161,4 @@ BALANCERS: dict[str, Callable[[int | None], Balancer]] = {
     "power_of_two": PowerOfTwo,
     "consistent_hash": ConsistentHash,
     "random": Random,
-}
-
-# The header SMG's consistent_hashing and manual policies read a session's key from.
-SMG_ROUTING_KEY: Final = "X-SMG-Routing-Key"
-
-# sglang-router / SMG `--policy` names (SMG bindings/python/src/smg/router_args.py,
-# COMMON_POLICY_CHOICES) taken as backends.balancer, each as the closest balancer here and
-# the hash header it reads (None: backends.hash_header as configured).
-SMG_POLICIES: Final[Mapping[str, tuple[str, str | None]]] = {
-    "round_robin": ("round_robin", None),
-    "random": ("random", None),
-    "power_of_two": ("power_of_two", None),
-    # A ring over the members keyed by X-SMG-Routing-Key, as SMG's; without the header,
-    # least-inflight here where SMG picks at random.
-    "consistent_hashing": ("consistent_hash", SMG_ROUTING_KEY),
-    # SMG's manual policy pins each X-SMG-Routing-Key to the worker it first went to, in one
-    # router's memory. The ring pins it as firmly while that worker is routable, and every
-    # --workers process and every gateway replica agrees on it; adding a member moves a
-    # share of the keys, where manual moves none.
-    "manual": ("consistent_hash", SMG_ROUTING_KEY),
-    # Fewest requests in flight through the gateway, where SMG's reads each engine's load.
-    "least_load": ("least_inflight", None),
-}
-
-# SMG policies with nothing close enough here: refused at start, saying what to use instead.
-SMG_UNSUPPORTED: Final[Mapping[str, str]] = {
-    "cache_aware": (
-        "SMG's cache_aware keeps a prefix tree of every prompt; the gateway has none yet. "
-        "For prefix-cache affinity of multi-turn sessions use consistent_hashing (the "
-        "session's X-SMG-Routing-Key picks the engine); for load alone, power_of_two"
-    ),
-    "prefix_hash": (
-        "SMG's prefix_hash hashes each prompt's first tokens; the gateway has no such "
-        "balancer. Use consistent_hashing with an X-SMG-Routing-Key per session"
-    ),
-    "passthrough": "SMG's passthrough is for OpenAI-style upstreams, not SGLang engines",
-    "bucket": "SMG's bucket policy is for prefill workers, and the gateway has no PD routing yet",
 }

@@ -179,3 +179,8 @@ def test_an_smg_policy_with_no_equivalent_is_refused_saying_so(policy: str) -> N
         config_mod.build({"backends": {"static": URLS[:1], "balancer": policy}})
     message = str(exc.value)
     assert f"balancer '{policy}'" in message and "no equivalent" in message
+
+
+def test_the_config_names_every_balancer_there_is() -> None:
+    assert set(config_mod.BALANCER_NAMES) == set(BALANCERS)
+    assert all(b in BALANCERS for b, _ in config_mod.SMG_POLICIES.values())
