@@ -111,3 +111,10 @@ async def test_a_document_restored_from_an_older_copy_still_reaches_every_worker
     finally:
         await one.stop()
         await two.stop()
+
+
+def test_an_updated_registration_replaces_a_members_extras_and_never_revives_one() -> None:
+    doc = new_document([A])
+    merge(doc, Change(updated={A: {"priority": 3}, B: {"priority": 1}}))
+    assert doc["members"] == {A: {"priority": 3}}  # B was not a member: not added
+    assert Change(updated={A: {}})
