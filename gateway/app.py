@@ -26,6 +26,7 @@ from gateway.edge import tracing
 from gateway.edge.auth import ApiKeys, read_keys_file
 from gateway.edge.clients import AiohttpClients, make_session
 from gateway.edge.control import ControlAccess
+from gateway.edge.engine_metrics import Limits as EngineMetricsLimits
 from gateway.edge.headers import ForwardedHeaders
 from gateway.edge.proxy import Proxy, ProxySettings
 from gateway.edge.server import Listener
@@ -124,6 +125,11 @@ def proxy_settings(cfg: GatewayConfig) -> ProxySettings:
             strip_client_authorization=True,
         ),
         control_timeout=control.timeout_s,
+        engine_metrics=EngineMetricsLimits(
+            timeout_s=cfg.engine_metrics.timeout_s,
+            max_bytes_per_engine=cfg.engine_metrics.max_bytes_per_engine,
+            max_total_bytes=cfg.engine_metrics.max_total_bytes,
+        ),
     )
 
 
@@ -202,6 +208,11 @@ class Gateway:
         return self.proxy.control.fanout.counts if self.proxy is not None else {}
 
     @property
+    def engine_metrics_counts(self) -> dict[str, int]:
+        """Engine /metrics reads for /engine_metrics and /metrics, by result."""
+        return self.proxy.surfaces.metrics.counts if self.proxy is not None else {}
+
+    @property
     def shared_state(self) -> SharedState | None:
         """The state shared with the other --workers, if there are any."""
         return self.fleet.shared
@@ -241,6 +252,7 @@ class Gateway:
         self.proxy = Proxy(
             proxy_settings(cfg), self._upstream, self.fleet, observers, tracer=self.tracer
         )
+        self.proxy.surfaces.draining = lambda: self.draining
 
         # The fleet first: a worker restarted under --workers serves only once it knows the
         # registry and engine states its siblings share.

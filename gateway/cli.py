@@ -5,6 +5,7 @@ sglang-gateway --config config/gateway.yaml [--check-config [--json]]
 SGLANG_GATEWAY_LISTEN__PORT=9000 sglang-gateway --config ...   # any key, from the environment
 sglang-gateway demo          # the bundled stub backend and a gateway in front of it
 sglang-gateway stub --port 30000
+sglang-gateway launch-router --worker-urls http://a:30000 --policy round_robin  # as the router
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="sglang-gateway",
         description="Request gateway for SGLang: enforces the sampling-mask contract and "
         "forwards everything else byte for byte. Subcommands: 'demo' (stub + gateway), "
-        "'stub' (the bundled SGLang-compatible stub backend).",
+        "'stub' (the bundled SGLang-compatible stub backend), 'launch-router' (the gateway "
+        "started with sglang-router's launch flags).",
     )
     p.add_argument("--version", action=_Version, nargs=0, help="print the version and exit")
     p.add_argument("--config", metavar="FILE", help="YAML config file (see config/)")
@@ -111,15 +113,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         from gateway.testing import demo  # noqa: PLC0415
 
         return demo.main(argv[1:])
+    if argv and argv[0] == "launch-router":
+        from gateway import launch_router  # noqa: PLC0415
+
+        return launch_router.main(argv[1:])
 
     args = _parser().parse_args(argv)
+    return start(
+        config_path=args.config,
+        overrides=_overrides(args),
+        check_config=args.check_config,
+        as_json=args.json,
+        worker_index=args.worker_index,
+    )
+
+
+def start(
+    *,
+    config_path: str | None,
+    overrides: dict[str, Any],
+    check_config: bool,
+    as_json: bool,
+    worker_index: int | None,
+) -> int:
+    """Build the config (the file, the environment, then `overrides`) and serve it, or
+    print it (`check_config`); the exit status."""
     try:
-        cfg: GatewayConfig = config_mod.load(args.config, _overrides(args))
+        cfg: GatewayConfig = config_mod.load(config_path, overrides)
     except ConfigError as exc:
         print(f"sglang-gateway: invalid config:\n{exc}", file=sys.stderr)
         return EXIT_CONFIG
-    if args.check_config:
-        if args.json:
+    if check_config:
+        if as_json:
             print(cfg.model_dump_json(indent=2))
         else:
             # The format it reads. Secrets show as the mask, which the config refuses: a
@@ -131,14 +156,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem:
         log.error("%s", problem)
         return 1
-    if args.worker_index is None:  # the supervisor, or the only process, says it once
+    if worker_index is None:  # the supervisor, or the only process, says it once
         log.info("sglang-gateway %s: %s", build.VERSION, build.describe_build())
     tune_malloc()
     from gateway.app import serve  # noqa: PLC0415 - keeps --check-config light
     from gateway.edge.control import trust_warning  # noqa: PLC0415
 
     control = cfg.control
-    if args.worker_index is None and (
+    if worker_index is None and (
         warning := trust_warning(
             control.trusted_cidrs,
             [*control.keys, *([control.keys_file] if control.keys_file else [])],
@@ -150,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.listen.workers > 1:
         from gateway.ops.supervisor import Supervisor  # noqa: PLC0415
 
-        supervisor = Supervisor(cfg, config_path=args.config, overrides=_overrides(args))
+        supervisor = Supervisor(cfg, config_path=config_path, overrides=overrides)
         result: list[int] = []
 
         async def supervise() -> None:
@@ -166,9 +191,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         runtime.run(
             serve(
                 cfg,
-                config_path=args.config,
-                overrides=_overrides(args),
-                worker_index=args.worker_index,
+                config_path=config_path,
+                overrides=overrides,
+                worker_index=worker_index,
             )
         )
     except (OSError, ValueError) as exc:

@@ -165,6 +165,53 @@ class KubernetesConfig(_Model):
         return self.label_selector
 
 
+# The balancers gateway/fleet/balancers.py implements (BALANCERS there).
+BALANCER_NAMES: Final = (
+    "least_inflight",
+    "round_robin",
+    "power_of_two",
+    "consistent_hash",
+    "random",
+)
+
+# The header SMG's consistent_hashing and manual policies read a session's key from.
+SMG_ROUTING_KEY: Final = "X-SMG-Routing-Key"
+
+# sglang-router / SMG `--policy` names (SMG bindings/python/src/smg/router_args.py,
+# COMMON_POLICY_CHOICES) taken as backends.balancer, each as the closest balancer here and
+# the hash header it reads (None: backends.hash_header as configured).
+SMG_POLICIES: Final[Mapping[str, tuple[str, str | None]]] = {
+    "round_robin": ("round_robin", None),
+    "random": ("random", None),
+    "power_of_two": ("power_of_two", None),
+    # A ring over the members keyed by X-SMG-Routing-Key, as SMG's; without the header,
+    # least-inflight here where SMG picks at random.
+    "consistent_hashing": ("consistent_hash", SMG_ROUTING_KEY),
+    # SMG's manual policy pins each X-SMG-Routing-Key to the worker it first went to, in one
+    # router's memory. The ring pins it as firmly while that worker is routable, and every
+    # --workers process and every gateway replica agrees on it; adding a member moves a
+    # share of the keys, where manual moves none.
+    "manual": ("consistent_hash", SMG_ROUTING_KEY),
+    # Fewest requests in flight through the gateway, where SMG's reads each engine's load.
+    "least_load": ("least_inflight", None),
+}
+
+# SMG policies with nothing close enough here: refused at start, saying what to use instead.
+SMG_UNSUPPORTED: Final[Mapping[str, str]] = {
+    "cache_aware": (
+        "SMG's cache_aware keeps a prefix tree of every prompt; the gateway has none yet. "
+        "For prefix-cache affinity of multi-turn sessions use consistent_hashing (the "
+        "session's X-SMG-Routing-Key picks the engine); for load alone, power_of_two"
+    ),
+    "prefix_hash": (
+        "SMG's prefix_hash hashes each prompt's first tokens; the gateway has no such "
+        "balancer. Use consistent_hashing with an X-SMG-Routing-Key per session"
+    ),
+    "passthrough": "SMG's passthrough is for OpenAI-style upstreams, not SGLang engines",
+    "bucket": "SMG's bucket policy is for prefill workers, and the gateway has no PD routing yet",
+}
+
+
 class BackendsConfig(_Model):
     # registry: membership changed over HTTP (POST /workers, as sglang-router and SMG take
     # it), seeded with backends.static.
@@ -172,9 +219,10 @@ class BackendsConfig(_Model):
     static: list[BackendUrl] = Field(default_factory=list)
     dns: DnsConfig | None = None
     kubernetes: KubernetesConfig | None = None
-    balancer: Literal["least_inflight", "round_robin", "power_of_two", "consistent_hash"] = (
-        "least_inflight"
-    )
+    # sglang-router's --policy names are taken too (SMG_POLICIES): see _smg_policy.
+    balancer: Literal[
+        "least_inflight", "round_robin", "power_of_two", "consistent_hash", "random"
+    ] = "least_inflight"
     # consistent_hash: the request header whose value picks the worker (RL session id).
     hash_header: Annotated[str, Field(min_length=1)] = "X-Session-Id"
     seed: int | None = None  # for reproducible power_of_two choices
@@ -185,6 +233,29 @@ class BackendsConfig(_Model):
     queue_timeout_s: Annotated[float, Field(ge=0, le=3600)] = 5.0
     health: HealthConfig = HealthConfig()
     passive: PassiveConfig = PassiveConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _smg_policy(cls, data: Any) -> Any:
+        """An sglang-router policy name becomes the balancer closest to it (consistent_hashing
+        and manual with hash_header X-SMG-Routing-Key unless hash_header is set), so the
+        effective config names what runs; one with no equivalent is refused, saying why."""
+        if not isinstance(data, dict):
+            return data
+        name = data.get("balancer")
+        if not isinstance(name, str):
+            return data
+        if name in SMG_UNSUPPORTED:
+            raise ValueError(
+                f"balancer {name!r} (sglang-router's --policy {name}) has no equivalent in "
+                f"the gateway: {SMG_UNSUPPORTED[name]}"
+            )
+        if name in SMG_POLICIES and name not in BALANCER_NAMES:
+            balancer, header = SMG_POLICIES[name]
+            data = {**data, "balancer": balancer}
+            if header is not None and "hash_header" not in data:
+                data["hash_header"] = header
+        return data
 
     @model_validator(mode="after")
     def _discovery_configured(self) -> BackendsConfig:
@@ -238,6 +309,19 @@ class RoutingConfig(_Model):
     # recently installed through the gateway (an RL fleet mid-update never serves stale
     # weights). A request's X-Weight-Version header asks for exactly that version instead.
     weight_version: Literal["any", "latest"] = "any"
+
+
+class EngineMetricsConfig(_Model):
+    """GET /engine_metrics and /metrics on the main port: every engine's /metrics, merged."""
+
+    # Each engine's whole answer is due within this (SMG waits 5 s).
+    timeout_s: Annotated[float, Field(gt=0, le=300)] = 5.0
+    # An engine that sends more is left out of the answer (a comment says so). SGLang's
+    # text is tens of KB, a few MB with many LoRA adapters or histogram labels.
+    max_bytes_per_engine: Annotated[int, Field(ge=1024, le=1 << 30)] = 8 << 20
+    # All engines together: the answer is held whole, so this bounds its memory; engines
+    # whose text would pass it are left out.
+    max_total_bytes: Annotated[int, Field(ge=1024, le=1 << 32)] = 64 << 20
 
 
 class ReloadConfig(_Model):
@@ -471,6 +555,7 @@ class GatewayConfig(_Model):
     auth: AuthConfig = AuthConfig()
     control: ControlConfig = ControlConfig()
     routing: RoutingConfig = RoutingConfig()
+    engine_metrics: EngineMetricsConfig = EngineMetricsConfig()
     logging: LoggingConfig = LoggingConfig()
     reload: ReloadConfig = ReloadConfig()
     tracing: TracingConfig = TracingConfig()

@@ -215,8 +215,8 @@ class AdmissionRules:
                     then = self._check_openai(body, items, chat=True)
                 case Kind.COMPLETIONS | Kind.RESPONSES:
                     then = self._check_openai(body, items, chat=False)
-                case Kind.PASSTHROUGH | Kind.CONTROL | Kind.REGISTRY:
-                    return None  # never inspected: forwarded, or fanned out, as it is
+                case Kind.PASSTHROUGH | Kind.CONTROL | Kind.REGISTRY | Kind.GATEWAY:
+                    return None  # never inspected: forwarded, fanned out or answered, as it is
                 case _:
                     assert_never(kind)
         except Invalid as exc:

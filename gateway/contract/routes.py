@@ -27,6 +27,7 @@ class Kind(enum.Enum):
     PASSTHROUGH = "passthrough"  # operational routes, forwarded uninspected
     CONTROL = "control"  # fleet operations: sent to every backend, operators only
     REGISTRY = "registry"  # the worker registry (/workers...): answered here, operators only
+    GATEWAY = "gateway"  # answered by the gateway itself for its clients (probes, fleet metrics)
 
 
 class Family(enum.Enum):
@@ -56,7 +57,7 @@ class Route:
 
     @property
     def inspected(self) -> bool:
-        return self.kind not in (Kind.PASSTHROUGH, Kind.CONTROL, Kind.REGISTRY)
+        return self.kind not in (Kind.PASSTHROUGH, Kind.CONTROL, Kind.REGISTRY, Kind.GATEWAY)
 
 
 GENERATION_ROUTES: Mapping[str, tuple[Kind, frozenset[str]]] = {
@@ -76,6 +77,15 @@ OPERATIONAL_ROUTES: Mapping[str, frozenset[str]] = {
     "/server_info": _GET,
     "/get_server_info": _GET,
     "/v1/models": _GET,
+}
+
+# Answered by the gateway itself, as SMG answers them (gateway/edge/surfaces.py): its
+# probes, and every engine's Prometheus text at once. /metrics is here too: one engine's
+# counters, from whichever engine the balancer picked, would read as the fleet's.
+GATEWAY_ROUTES: Mapping[str, frozenset[str]] = {
+    "/liveness": _GET,
+    "/readiness": _GET,
+    "/engine_metrics": _GET,
     "/metrics": _GET,
 }
 
@@ -115,12 +125,12 @@ REGISTRY_ROUTES: Mapping[str, frozenset[str]] = {
 FLEET_READ_ROUTES: Mapping[str, frozenset[str]] = {
     "/get_weight_version": _GET,
 }
-WORKER_PATH: Final = "/workers/{id}"  # GET, DELETE one worker; the route's label
+WORKER_PATH: Final = "/workers/{id}"  # GET, PUT, PATCH, DELETE one worker; the route's label
 # An engine call with parameters of its own per engine (a rank offset, tensor handles on that
 # engine's GPUs), sent to the one worker named: POST /workers/{id}/<SGLang path>.
 ADDRESSED_PATH: Final = "/workers/{id}/*"
 _WORKER_PREFIX: Final = "/workers/"
-_WORKER_ROUTE_METHODS: Final = frozenset({"GET", "DELETE"})
+_WORKER_ROUTE_METHODS: Final = frozenset({"GET", "PUT", "PATCH", "DELETE"})
 # Per-engine calls: without an address they are refused, since no one engine is meant.
 PER_ENGINE_ROUTES: Mapping[str, frozenset[str]] = {
     "/init_weights_update_group": _POST,  # rank_offset differs by engine
@@ -186,6 +196,8 @@ class RouteTable:
         )
         for path, methods in OPERATIONAL_ROUTES.items():
             by_path[path] = Route(path, Kind.PASSTHROUGH, methods, Family.PLAIN)
+        for path, methods in GATEWAY_ROUTES.items():
+            by_path[path] = Route(path, Kind.GATEWAY, methods, Family.PLAIN)
         for path, methods in CONTROL_ROUTES.items():
             by_path[path] = Route(path, Kind.CONTROL, methods, Family.PLAIN)
         for path, methods in REGISTRY_ROUTES.items():

@@ -95,6 +95,11 @@ class ForwardedHeaders:
         # The client's key for the gateway is not a credential for the backend.
         self._drop = _REQUEST_DROP | {"authorization"} if replace else _REQUEST_DROP
 
+    @property
+    def authorization(self) -> str | None:
+        """The Authorization sent to backends in the client's place, if configured."""
+        return self._authorization
+
     def upstream(
         self,
         headers: Mapping[str, str] | Iterable[tuple[str, str]],

@@ -37,6 +37,7 @@ from gateway.edge.admission import inspect_large
 from gateway.edge.auth import ApiKeys
 from gateway.edge.budget import InspectionBudget, parse_cost
 from gateway.edge.control import ControlAccess
+from gateway.edge.engine_metrics import Limits as EngineMetricsLimits
 from gateway.edge.fleet_control import FleetControl
 from gateway.edge.headers import (
     REQUEST_ID,
@@ -46,6 +47,7 @@ from gateway.edge.headers import (
     valid_request_id,
 )
 from gateway.edge.server import BodyTooLarge, Reply, Request
+from gateway.edge.surfaces import Surfaces
 from gateway.edge.tracing import NO_TRACING, Tracer
 from gateway.edge.upstream import (
     ConnectFailed,
@@ -115,6 +117,7 @@ class ProxySettings:
     control_access: ControlAccess
     control_forwarding: ForwardedHeaders  # never passes the caller's Authorization on
     control_timeout: float
+    engine_metrics: EngineMetricsLimits  # GET /engine_metrics and /metrics: bounds per read
 
 
 class Proxy:
@@ -139,6 +142,7 @@ class Proxy:
         self.control = FleetControl(upstream, fleet)
         self.owners = self.control.owners  # where the forward path records whom a rid went to
         self.adapters = AdapterCatalog(self.control.fanout, fleet.pool)
+        self.surfaces = Surfaces(upstream, fleet)  # what the gateway answers itself (SMG's)
         self._idle: asyncio.Event | None = None  # only while someone waits for idleness
         # Untraced (None), the module's own functions are called, looked up at each call
         # like any global: one test of an attribute per request, no wrapper.
@@ -263,6 +267,8 @@ class Call:
             return self.reply(404, replies.NOT_FOUND, Outcome.NOT_FOUND)
         if self.request.method not in route.methods:
             return self.wrong_method(route.methods)
+        if route.kind is Kind.GATEWAY:
+            return await self.proxy.surfaces.handle(self, route)
         if (refused := self.inspect_headers(route)) is not None:
             return refused
         body = await self.read()

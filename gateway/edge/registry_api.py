@@ -1,22 +1,33 @@
 """The worker registry's HTTP face, at sglang-router's and SMG's paths.
 
-    GET    /workers             {"workers": [worker, ...]}
+    GET    /workers             {"workers": [worker, ...], "total", "stats": {"prefill_count",
+                                "decode_count", "regular_count"}} (SMG's counts)
     POST   /workers             {"url": ..., extra keys kept} -> the worker (idempotent)
     GET    /workers/{id}        the worker, or 404
+    PATCH  /workers/{id}        {"priority", "cost", "labels"} (SMG's WorkerUpdateRequest)
+                                changed, labels merged -> the worker
+    PUT    /workers/{id}        what it is registered with, anew ("url" must be its own)
+                                -> the worker
     DELETE /workers/{id}        {"success": true, "id", "url"}, or 404
     GET    /list_workers        {"urls": [...]}                       (older sglang-router)
     POST   /add_worker?url=     the worker                           (older sglang-router)
     POST   /remove_worker?url=  {"success": true, "id", "url"}, or 404
 
 A worker is `{"id", "url", "healthy", "state", "weight_version", "inflight", ...}` plus what
-it was registered with. Listing works with any discovery; changing membership needs
-`backends.discovery: registry` (409 otherwise: the membership comes from elsewhere).
-The caller is an operator: the proxy checks that before it gets here.
+it was registered with, and SMG's `is_healthy` and `load` (its requests in flight).
+PATCH and PUT change only what the gateway keeps of a registration: SMG's priority, cost and
+labels are kept and shown (no SMG policy routes by them either); a per-worker api_key or
+health check has nothing here to map to (auth.upstream_authorization and backends.health
+hold for every worker), so naming one is a 400.
+Listing works with any discovery; changing membership needs `backends.discovery:
+registry` (409 otherwise: the membership comes from elsewhere). The caller is an operator:
+the proxy checks that before it gets here.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Final
 from urllib.parse import parse_qs
 
 import orjson
@@ -60,7 +71,23 @@ def _worker(fleet: Fleet, backend: Backend) -> dict[str, Any]:
         "inflight": backend.inflight,
         "worker_type": backend.worker_type,
         "lora_adapters": sorted(backend.adapters),
+        # SMG's names for the same (sgl-model-gateway WorkerInfo), for its clients.
+        "is_healthy": backend.health is Health.HEALTHY,
+        "load": backend.inflight,
     }
+
+
+def _listing(fleet: Fleet) -> dict[str, Any]:
+    """GET /workers: every member, and SMG's counts by worker_type (an encode worker, or
+    one of a type SMG does not know, is in the total only, as in SMG)."""
+    workers = [_worker(fleet, b) for b in fleet.pool.backends]
+    counts = {"prefill": 0, "decode": 0, "regular": 0}
+    for worker in workers:
+        kind = worker.get("worker_type", "regular")
+        if isinstance(kind, str) and kind in counts:
+            counts[kind] += 1
+    stats = {f"{kind}_count": n for kind, n in counts.items()}
+    return {"workers": workers, "total": len(workers), "stats": stats}
 
 
 def _json(status: int, obj: object, change: Change = _UNCHANGED) -> Answer:
@@ -87,9 +114,11 @@ def handle(fleet: Fleet, method: str, path: str, raw_path: str, body: bytes) -> 
             return _error(404, f"No worker {worker!r}.")
         if method == "GET":
             return _json(200, _worker(fleet, backend))
+        if method in ("PUT", "PATCH"):
+            return _update(fleet, backend, body, replace=method == "PUT")
         return _remove(fleet, backend.url)
     if method == "GET" and path == "/workers":
-        return _json(200, {"workers": [_worker(fleet, b) for b in fleet.pool.backends]})
+        return _json(200, _listing(fleet))
     if method == "GET" and path == "/list_workers":
         return _json(200, {"urls": [b.url for b in fleet.pool.backends]})
     if path == "/remove_worker":
@@ -137,6 +166,83 @@ def _normal(url: str) -> str:
         return normalize_backend_url(url)
     except ValueError:
         return url
+
+
+# What PATCH /workers/{id} changes, as SMG's WorkerUpdateRequest names it.
+UPDATABLE: Final = ("priority", "cost", "labels")
+# SMG's other fields, which hold for every worker here: the setting that does.
+_FLEET_WIDE: Final = {
+    "api_key": "auth.upstream_authorization (one credential for every backend)",
+    "health": "backends.health (one probe for every backend)",
+}
+
+
+def _fields_problem(fields: dict[str, Any], *, patch: bool) -> str | None:
+    """Why these registration fields cannot be taken, or None."""
+    fleet_wide = [k for k in fields if k in _FLEET_WIDE]
+    if fleet_wide:
+        why = "; ".join(f"{k}: {_FLEET_WIDE[k]}" for k in fleet_wide)
+        return (
+            f"Per-worker {', '.join(fleet_wide)} cannot be set here: the gateway has one "
+            f"setting for all workers ({why}). Accepted: {', '.join(UPDATABLE)}."
+        )
+    if patch and (unknown := sorted(set(fields) - set(UPDATABLE))):
+        return (
+            f"PATCH /workers/{{id}} cannot change {', '.join(map(repr, unknown))}. Accepted: "
+            f"{', '.join(UPDATABLE)} (PUT /workers/{{id}} replaces the whole registration)."
+        )
+    priority = fields.get("priority")
+    if "priority" in fields and (
+        not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority < 2**32
+    ):
+        return "priority must be an integer from 0 to 4294967295."
+    cost = fields.get("cost")
+    if "cost" in fields and (
+        not isinstance(cost, int | float) or isinstance(cost, bool) or not math.isfinite(cost)
+    ):
+        return "cost must be a finite number."
+    labels = fields.get("labels")
+    if "labels" in fields and not (
+        isinstance(labels, dict) and all(isinstance(v, str) for v in labels.values())
+    ):
+        return "labels must be an object of string values."
+    return None
+
+
+def _update(fleet: Fleet, backend: Backend, body: bytes, *, replace: bool) -> Answer:
+    """PATCH: the fields given change (labels merged, as SMG merges them); PUT: the
+    registration is the body, its url the worker's own."""
+    registry = fleet.registry
+    if registry is None:
+        return _error(409, _NOT_REGISTRY.format(fleet.cfg.discovery))
+    try:
+        parsed = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        return _error(400, "The body must be a JSON object.")
+    if replace and "url" in parsed:
+        url = parsed.pop("url")
+        if not isinstance(url, str) or _normal(url) != backend.url:
+            return _error(
+                400,
+                f"URL mismatch: worker {backend.id} has URL {backend.url!r} but the body has "
+                f"{url!r}. URL changes are not supported via PUT. Use DELETE + POST instead.",
+            )
+    if (problem := _fields_problem(parsed, patch=not replace)) is not None:
+        return _error(400, problem)
+    if replace:
+        extras = parsed
+    else:
+        extras = dict(registry.extras(backend.url))
+        labels = parsed.pop("labels", None)
+        if labels is not None:
+            old = extras.get("labels")
+            extras["labels"] = {**(old if isinstance(old, dict) else {}), **labels}
+        extras.update(parsed)
+    registry.update(backend.url, extras)
+    change = Change(updated={backend.url: registry.extras(backend.url)})
+    return _json(200, _worker(fleet, backend), change)
 
 
 def _remove(fleet: Fleet, url: str) -> Answer:

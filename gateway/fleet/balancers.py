@@ -48,6 +48,21 @@ class RoundRobin:
         pass
 
 
+class Random:
+    """Any candidate, uniformly (sglang-router's `random`)."""
+
+    __slots__ = ("_rng",)
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, candidates: Sequence[C], key: str | None) -> C:
+        return candidates[self._rng.randrange(len(candidates))]
+
+    def set_members(self, urls: Sequence[str]) -> None:
+        pass
+
+
 class LeastInflight:
     """Fewest requests in flight: LLM requests vary 1000x in cost, so load beats turns.
 
@@ -145,4 +160,5 @@ BALANCERS: dict[str, Callable[[int | None], Balancer]] = {
     "round_robin": RoundRobin,
     "power_of_two": PowerOfTwo,
     "consistent_hash": ConsistentHash,
+    "random": Random,
 }

@@ -370,6 +370,12 @@ class BackendPool:
         # Paused or asleep engines still count: an RL fleet mid weight-update is not broken.
         return any(b.health in ok and self.available(b, now) for b in self.backends)
 
+    def ready_count(self) -> int:
+        """How many backends count towards `ready` (SMG's /readiness reports the number)."""
+        now = self._clock()
+        ok = (Health.HEALTHY,) if self._policy.probes else (Health.HEALTHY, Health.UNKNOWN)
+        return sum(1 for b in self.backends if b.health in ok and self.available(b, now))
+
     def find(self, worker: str) -> Backend | None:
         """The member a worker id or URL names (the registry and addressed calls use both)."""
         return next((b for b in self.backends if worker in (b.id, b.url)), None)

@@ -64,6 +64,12 @@ class WorkerRegistry:
         self._changed()
         return normal, True
 
+    def update(self, url: str, extras: Mapping[str, Any]) -> None:
+        """Replace what a member was registered with (PUT/PATCH /workers/{id})."""
+        if url in self._workers and self._workers[url] != dict(extras):
+            self._workers[url] = dict(extras)
+            self._changed()  # what a member is registered as may decide where it serves
+
     def replace(self, workers: Mapping[str, Mapping[str, Any]]) -> None:
         """Take the membership another worker process of this gateway changed."""
         if list(workers) == list(self._workers) and all(

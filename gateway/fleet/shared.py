@@ -99,12 +99,16 @@ class Change:
 
     added: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # url -> extras
     removed: frozenset[str] = frozenset()
+    # url -> its extras anew, for a member whose registration was changed (PUT/PATCH)
+    updated: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # url -> the fields it changed: paused, asleep, weight_version, lora_adapters
     states: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     latest_version: str | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.added or self.removed or self.states or self.latest_version)
+        return bool(
+            self.added or self.removed or self.updated or self.states or self.latest_version
+        )
 
 
 def new_document(members: list[str]) -> Document:
@@ -122,6 +126,9 @@ def merge(doc: Document, change: Change) -> Document:
     members: dict[str, Any] = doc.setdefault("members", {})
     for url, extras in change.added.items():
         members.setdefault(url, dict(extras))
+    for url, extras in change.updated.items():
+        if url in members:  # a member removed meanwhile stays removed
+            members[url] = dict(extras)
     for url in change.removed:
         members.pop(url, None)
     backends: dict[str, dict[str, Any]] = doc.setdefault("backends", {})

@@ -547,6 +547,9 @@ class _GatewayView(Protocol):
     def control_counts(self) -> dict[tuple[str, str], int]: ...
 
     @property
+    def engine_metrics_counts(self) -> dict[str, int]: ...
+
+    @property
     def shared_state(self) -> _SharedStats | None: ...
 
 
@@ -630,6 +633,18 @@ class FleetCollector(Collector):
         for (route, result), count in sorted(counts.items()):
             control.add_metric([route, result], float(count))
         yield control
+        scrapes = CounterMetricFamily(
+            p + "engine_metrics_scrapes",
+            "Engine /metrics reads for GET /engine_metrics and /metrics on the main port, by "
+            "result: ok, unreachable (no connection, or a broken answer), timeout "
+            "(engine_metrics.timeout_s), bad_status (not 2xx), too_large (over "
+            "engine_metrics.max_bytes_per_engine or .max_total_bytes); forbidden counts "
+            "requests refused for want of an operator credential (403, nothing read).",
+            labels=["result"],
+        )
+        for result, count in sorted(self._gw.engine_metrics_counts.items()):
+            scrapes.add_metric([result], float(count))
+        yield scrapes
         open_conns, limit, conns_refused, send_timeouts = self._gw.client_connections
         yield GaugeMetricFamily(
             p + "client_connections", "Client connections open.", value=float(open_conns)

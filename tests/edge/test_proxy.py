@@ -282,7 +282,6 @@ async def test_trusted_proxy_chain_is_extended(
         "/server_info",
         "/get_server_info",
         "/v1/models",
-        "/metrics",
     ],
 )
 async def test_operational_routes_pass_through(
@@ -294,9 +293,25 @@ async def test_operational_routes_pass_through(
         gw_body, direct_body = await gw_r.read(), await direct.read()
     if path.startswith("/health"):
         assert gw_body == direct_body == b""
-    elif path != "/metrics":
+    else:
         assert orjson.loads(gw_body).keys() == orjson.loads(direct_body).keys()
     assert last_proxied(stub).path == path
+
+
+async def test_metrics_is_the_fleets_unless_configured_as_passthrough(
+    stub: StubBackend, make_gateway: GatewayFactory, session: aiohttp.ClientSession
+) -> None:
+    # One engine's counters behind a router read as the fleet's: the gateway answers
+    # /metrics itself with every engine's (tests/edge/test_smg_surfaces.py) ...
+    gw = await make_gateway(stub.url)
+    async with session.get(gw_url(gw, "/metrics")) as r:
+        assert r.status == 200 and "worker_addr=" in await r.text()
+    assert proxied(stub) == []
+    # ... unless routes.passthrough names it: then one backend answers, as before.
+    gw = await make_gateway(stub.url, routes={"passthrough": ["/metrics"]})
+    async with session.get(gw_url(gw, "/metrics")) as r:
+        assert r.status == 200 and "worker_addr=" not in await r.text()
+    assert last_proxied(stub).path == "/metrics"
 
 
 async def test_abort_and_flush_pass_through(

@@ -6,6 +6,7 @@ from collections import Counter
 
 import pytest
 
+from gateway import config as config_mod
 from gateway.fleet.balancers import BALANCERS, ConsistentHash
 from gateway.fleet.pool import Backend, BackendPool, EjectionRules, Health, PoolRules
 
@@ -134,3 +135,52 @@ def test_concurrency_cap_and_saturation() -> None:
     pool.backends[0].health = Health.UNHEALTHY
     pool.backends[1].health = Health.UNHEALTHY
     assert not pool.saturated()  # nothing routable: waiting would not help
+
+
+def test_random_spreads_over_every_candidate() -> None:
+    balancer = BALANCERS["random"](3)
+    backends = fleet()
+    picks = Counter(balancer.choose(backends, None).url for _ in range(5000))
+    assert set(picks) == set(URLS)
+    assert min(picks.values()) > 800  # about 1000 each
+
+
+@pytest.mark.parametrize(
+    ("policy", "balancer", "header"),
+    [
+        ("consistent_hashing", "consistent_hash", "X-SMG-Routing-Key"),
+        ("manual", "consistent_hash", "X-SMG-Routing-Key"),
+        ("round_robin", "round_robin", "X-Session-Id"),
+        ("power_of_two", "power_of_two", "X-Session-Id"),
+        ("random", "random", "X-Session-Id"),
+        ("least_load", "least_inflight", "X-Session-Id"),
+    ],
+)
+def test_sglang_router_policy_names_are_taken_as_the_closest_balancer(
+    policy: str, balancer: str, header: str
+) -> None:
+    cfg = config_mod.build({"backends": {"static": URLS[:1], "balancer": policy}})
+    assert (cfg.backends.balancer, cfg.backends.hash_header) == (balancer, header)
+    # What --check-config prints runs the same balancer when read back.
+    again = config_mod.build(cfg.model_dump(mode="json"))
+    assert again.backends.balancer == balancer
+
+
+def test_a_hash_header_set_beside_an_smg_policy_is_kept() -> None:
+    cfg = config_mod.build(
+        {"backends": {"static": URLS[:1], "balancer": "manual", "hash_header": "X-Episode"}}
+    )
+    assert cfg.backends.hash_header == "X-Episode"
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "prefix_hash", "passthrough", "bucket"])
+def test_an_smg_policy_with_no_equivalent_is_refused_saying_so(policy: str) -> None:
+    with pytest.raises(config_mod.ConfigError) as exc:
+        config_mod.build({"backends": {"static": URLS[:1], "balancer": policy}})
+    message = str(exc.value)
+    assert f"balancer '{policy}'" in message and "no equivalent" in message
+
+
+def test_the_config_names_every_balancer_there_is() -> None:
+    assert set(config_mod.BALANCER_NAMES) == set(BALANCERS)
+    assert all(b in BALANCERS for b, _ in config_mod.SMG_POLICIES.values())

@@ -174,3 +174,10 @@ async def test_a_worker_keeps_what_an_engine_reported_when_a_sibling_shares_a_ch
     await shared.take(shared.load())
     assert backend.paused
     assert (backend.weight_version, fleet.pool.latest_version) == ("v2", "v2")
+
+
+def test_an_updated_registration_replaces_a_members_extras_and_never_revives_one() -> None:
+    doc = new_document([A])
+    merge(doc, Change(updated={A: {"priority": 3}, B: {"priority": 1}}))
+    assert doc["members"] == {A: {"priority": 3}}  # B was not a member: not added
+    assert Change(updated={A: {}})

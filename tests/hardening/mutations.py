@@ -1239,6 +1239,129 @@ MUTATIONS = [
             "tests/edge/test_fleet_truth.py::test_an_older_release_is_read_at_its_own_path_after_one_404"
         ],
     ),
+    # -- issue 21, item 7: SMG's surfaces (probes, engine metrics, worker changes) ----------
+    (
+        "readiness ready without a healthy worker",
+        "gateway/edge/surfaces.py",
+        "        if not healthy:\n            return call.reply(503, _NO_WORKERS, Outcome.NO_BACKEND)",
+        "        if False:\n            return call.reply(503, _NO_WORKERS, Outcome.NO_BACKEND)",
+        [
+            "tests/edge/test_smg_surfaces.py::test_liveness_is_the_process_and_readiness_a_healthy_worker"
+        ],
+    ),
+    (
+        "readiness ignores the drain",
+        "gateway/edge/surfaces.py",
+        "        if self.draining():",
+        "        if False:",
+        [
+            "tests/edge/test_smg_surfaces.py::test_liveness_is_the_process_and_readiness_a_healthy_worker"
+        ],
+    ),
+    (
+        "engine metrics without the worker label",
+        "gateway/edge/engine_metrics.py",
+        "            labelled = _labelled(line, end, ours)",
+        "            labelled = line",
+        [
+            "tests/edge/test_smg_surfaces.py::test_engine_metrics_merges_every_engine_with_its_worker_label"
+        ],
+    ),
+    (
+        "engine metrics repeat a family per engine",
+        "gateway/edge/engine_metrics.py",
+        "            fam = families[name] = _Family(name)",
+        "            fam = families[name + str(len(families))] = _Family(name)",
+        [
+            "tests/edge/test_smg_surfaces.py::test_engine_metrics_merges_every_engine_with_its_worker_label"
+        ],
+    ),
+    (
+        "an engine's scrape without a deadline",
+        "gateway/edge/engine_metrics.py",
+        "    deadline = limits.timeout_s\n",
+        "    deadline = limits.timeout_s * 40\n",
+        [
+            "tests/edge/test_smg_surfaces.py::test_a_dead_and_a_silent_engine_are_reported_and_the_rest_answered"
+        ],
+    ),
+    (
+        "an engine's text read without its byte bound",
+        "gateway/edge/engine_metrics.py",
+        "                    if size > limits.max_bytes_per_engine:",
+        "                    if False:",
+        ["tests/edge/test_smg_surfaces.py::test_an_engine_over_its_byte_bound_is_left_out"],
+    ),
+    (
+        "one failing engine fails the whole answer",
+        "gateway/edge/surfaces.py",
+        "        if all(s.text is None for s in scrapes):",
+        "        if any(s.text is None for s in scrapes):",
+        [
+            "tests/edge/test_smg_surfaces.py::test_a_dead_and_a_silent_engine_are_reported_and_the_rest_answered"
+        ],
+    ),
+    (
+        "every scraper reads every engine again",
+        "gateway/edge/engine_metrics.py",
+        "        if running is None or running.done() or self._running_for != members:",
+        "        if True:",
+        ["tests/edge/test_smg_surfaces.py::test_concurrent_scrapes_share_one_read_of_each_engine"],
+    ),
+    (
+        "engine metrics for any caller",
+        "gateway/edge/surfaces.py",
+        "        if (refused := self._operator(call)) is not None:",
+        "        if (refused := None) is not None:",
+        ["tests/edge/test_smg_surfaces.py::test_engine_metrics_are_an_operators"],
+    ),
+    (
+        "PATCH takes a per-worker credential",
+        "gateway/edge/registry_api.py",
+        "    fleet_wide = [k for k in fields if k in _FLEET_WIDE]",
+        "    fleet_wide: list[str] = []",
+        ["tests/edge/test_smg_surfaces.py::test_patch_changes_what_smg_lets_a_client_change"],
+    ),
+    (
+        "PUT moves a worker to another url",
+        "gateway/edge/registry_api.py",
+        "        if not isinstance(url, str) or _normal(url) != backend.url:",
+        "        if not isinstance(url, str):",
+        ["tests/edge/test_smg_surfaces.py::test_put_replaces_the_registration_under_the_same_url"],
+    ),
+    (
+        "consistent_hashing keeps the default hash header",
+        "gateway/config.py",
+        '            if header is not None and "hash_header" not in data:',
+        "            if False:",
+        [
+            "tests/fleet/test_balancers.py::test_sglang_router_policy_names_are_taken_as_the_closest_balancer",
+            "tests/edge/test_smg_surfaces.py::test_consistent_hashing_routes_by_the_smg_routing_key",
+        ],
+    ),
+    (
+        "cache_aware taken as least_inflight",
+        "gateway/config.py",
+        "        if name in SMG_UNSUPPORTED:\n            raise ValueError(",
+        '        if name in SMG_UNSUPPORTED:\n            return {**data, "balancer": "least_inflight"}\n            raise ValueError(',
+        [
+            "tests/fleet/test_balancers.py::test_an_smg_policy_with_no_equivalent_is_refused_saying_so"
+        ],
+    ),
+    (
+        "launch-router ignores the flags it does not know",
+        "gateway/launch_router.py",
+        "    if unknown:\n        flags",
+        "    if False:\n        flags",
+        ["tests/test_launch_router.py::test_a_flag_it_cannot_honour_exits_2_listing_what_it_takes"],
+    ),
+    (
+        "launch-router starts with PD disaggregation",
+        "gateway/launch_router.py",
+        "        if flag in _REFUSED:",
+        "        if flag in ():",
+        ["tests/test_launch_router.py::test_a_flag_it_cannot_honour_exits_2_listing_what_it_takes"],
+    ),
 ]
 
 

@@ -20,6 +20,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.fleet.pool import worker_id
 from gateway.testing.stub import StubBackend
 from tests.conftest import free_port, spawn
 
@@ -210,3 +211,14 @@ async def test_an_abort_reaches_a_rid_routed_by_the_other_worker(
     status, out, _ = await asyncio.wait_for(running, 5)
     assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort"
     assert sum(s.aborted for s in stubs) == 1
+
+
+async def test_a_patched_registration_reaches_every_worker(
+    fleet2: Fleet2, stubs: list[StubBackend]
+) -> None:
+    wid = worker_id(stubs[0].url)
+    status, worker = await fleet2.call("PATCH", f"/workers/{wid}", json={"priority": 9})
+    assert status == 200 and worker["priority"] == 9
+    for status, listed, _ in await fleet2.each("GET", "/workers"):
+        assert status == 200
+        assert [w.get("priority") for w in listed["workers"]] == [9]
