@@ -141,7 +141,10 @@ def handle(fleet: Fleet, method: str, path: str, raw_path: str, body: bytes) -> 
     registry = fleet.registry
     if registry is None:
         return _error(409, _NOT_REGISTRY.format(fleet.cfg.discovery))
-    extras = {k: v for k, v in fields.items() if k != "url"}
+    # SMG's registration may carry the worker's own api_key. Nothing here sends it (one
+    # credential for every backend: auth.upstream_authorization), and what is kept is shown
+    # by GET /workers and written to the shared state file: so it is dropped, never kept.
+    extras = {k: v for k, v in fields.items() if k not in _NOT_KEPT}
     try:
         url, _ = registry.add(fields.get("url"), extras)
     except RegistryError as exc:
@@ -154,6 +157,9 @@ def handle(fleet: Fleet, method: str, path: str, raw_path: str, body: bytes) -> 
     change = Change(added={url: registry.extras(url)})
     return _json(200, _worker(fleet, backend), change)
 
+
+# Fields of a registration never kept: url is the key itself, api_key a credential.
+_NOT_KEPT: Final = frozenset({"url", "api_key"})
 
 _NOT_REGISTRY = (
     "backends.discovery is {}: the membership comes from it, not from this call "

@@ -143,3 +143,23 @@ async def test_registry_calls_are_for_operators_only(
         async with s.post(gw_url(gw, "/workers"), json={"url": stub.url}, headers=op) as r:
             assert r.status == 200
     assert [b.url for b in gw.pool.backends] == [stub.url]
+
+
+async def test_a_workers_api_key_is_never_kept_or_shown(
+    stub: StubBackend, make_gateway: GatewayFactory
+) -> None:
+    """SMG's registration may carry the worker's api_key (sgl-model-gateway's
+    WorkerConfigRequest): the gateway sends no per-worker credential, and what it keeps is
+    listed by GET /workers and shared with the other --workers through a file."""
+    gw = await _registry_gateway(make_gateway)
+    secret = "sk-worker-credential-0123456789"
+    reg = {"url": stub.url, "worker_type": "regular", "api_key": secret, "priority": 2}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw_url(gw, "/workers"), json=reg) as r:
+            assert r.status == 200
+            assert secret not in await r.text()
+        async with s.get(gw_url(gw, "/workers")) as r:
+            listing = await r.text()
+    assert secret not in listing and '"priority":2' in listing
+    assert gw.fleet.registry is not None
+    assert "api_key" not in gw.fleet.registry.extras(stub.url)
