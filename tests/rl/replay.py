@@ -364,6 +364,9 @@ async def loads_check(c: Cluster, operator: Client, n: int, what: str) -> None:
     c.ledger.check(seen == n, 3, f"{what}: {n} running, the top-level loads read {seen}")
     entries = r.get("loads") if isinstance(r.body, dict) else None
     tagged = isinstance(entries, list) and all(
-        isinstance(x, dict) and "url" in x and ("worker_id" in x or "id" in x) for x in entries
+        isinstance(x, dict)
+        and x.get("worker_url") in {e.url for e in c.engines}
+        and x.get("worker_id")
+        for x in entries
     )
     c.ledger.check(tagged, 3, f"{what}: each loads entry names its worker id and url")

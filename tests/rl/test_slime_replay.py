@@ -146,7 +146,9 @@ async def versions_follow(c: Cluster, driver: Client, version: str, what: str) -
     async def listed() -> bool:
         r = await driver.call("GET", c.url + "/workers")
         c.ledger.entries.pop()
-        return {w["weight_version"] for w in r.get("workers", [])} == {version}
+        # The prefill engine is no rollout engine: slime updates it with its own group.
+        workers = [w for w in r.get("workers", []) if w.get("worker_type") != "prefill"]
+        return {w["weight_version"] for w in workers} == {version}
 
     c.ledger.check(
         await eventually(listed, WITHIN_ONE_PROBE_S),

@@ -462,3 +462,53 @@ async def test_completion_logprobs_in_openai_shape(
     ][0]
     status, out = await post(session, f"{stub.url}/v1/completions", body | {"logprobs": 0})
     assert out["choices"][0]["logprobs"]["top_logprobs"] == []
+
+
+async def test_an_adapter_loaded_from_tensors_serves_generations(
+    stub: StubBackend, session: aiohttp.ClientSession
+) -> None:
+    """Miles and verl load adapters engine-direct from tensors (SGLang 0.5.19's
+    LoadLoRAAdapterFromTensorsReqInput: lora_name, config_dict, serialized_named_tensors),
+    then name the adapter as lora_path."""
+    s = session
+    gen = {"input_ids": [1, 2], "lora_path": "slot0", "sampling_params": {"max_new_tokens": 2}}
+    status, _ = await post(s, stub.url + "/generate", gen)
+    assert status == 400  # not loaded yet
+    bare = {"lora_name": "slot0", "config_dict": {"r": 8}}
+    status, _ = await post(s, stub.url + "/load_lora_adapter_from_tensors", bare)
+    assert status == 400  # no tensors
+    load = bare | {"serialized_named_tensors": ["AAAA"]}
+    status, body = await post(s, stub.url + "/load_lora_adapter_from_tensors", load)
+    assert status == 200 and body["loaded_adapters"] == {"slot0": "__tensor__"}
+    status, _ = await post(s, stub.url + "/generate", gen)
+    assert status == 200
+
+
+async def test_a_prefix_abort_ends_every_request_whose_rid_starts_with_it(
+    stub: StubBackend, session: aiohttp.ClientSession
+) -> None:
+    """Miles retires an adapter with {"rid": "<adapter>::", "prefix": true}
+    (radixark/miles miles/ray/multi_lora/backend.py:164-189); a plain rid is exact."""
+    s = session
+    slow = {"X-Stub-Delay-Ms": "30000"}
+
+    def gen(rid: str) -> Json:
+        return {"input_ids": [1], "rid": rid, "sampling_params": {"max_new_tokens": 1}}
+
+    flights = [
+        asyncio.ensure_future(post(s, stub.url + "/generate", gen(rid), headers=slow))
+        for rid in ("math::1", "math::2", "code::1")
+    ]
+    for _ in range(100):
+        if len(stub._runs) == 3:
+            break
+        await asyncio.sleep(0.02)
+    await post(s, stub.url + "/abort_request", {"rid": "math::"})  # exact: no such rid
+    await asyncio.sleep(0.1)
+    assert not any(f.done() for f in flights)
+    await post(s, stub.url + "/abort_request", {"rid": "math::", "prefix": True})
+    done = [await f for f in flights[:2]]
+    assert [b["meta_info"]["finish_reason"]["type"] for _, b in done] == ["abort"] * 2
+    assert not flights[2].done()
+    await post(s, stub.url + "/abort_request", {"abort_all": True})
+    await flights[2]

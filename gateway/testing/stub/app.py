@@ -253,6 +253,7 @@ class StubBackend:
             ("POST", "/weights_checker", self._engine_op),
             ("POST", "/load_lora_adapter", self._lora),
             ("POST", "/unload_lora_adapter", self._lora),
+            ("POST", "/load_lora_adapter_from_tensors", self._lora),
             ("GET", "/v1/loads", self._loads),
             ("GET", "/get_loads", self._loads),
             ("GET", "/get_load", self._get_load),
@@ -803,6 +804,12 @@ class StubBackend:
         text = message if isinstance(message, str) else "Abort request"
         if lax_bool(sent.get("abort_all")):
             self._abort_runs(list(self._runs), text)
+        elif isinstance(rid := sent.get("rid"), str) and lax_bool(sent.get("prefix")):
+            # Miles' SGLang build: every request whose rid starts with this one (upstream's
+            # scheduler matches by prefix too, once the tokenizer knows the exact rid).
+            self._abort_runs(
+                [r for r in self._runs if any(x.startswith(rid) for x in r.rids)], text
+            )
         elif isinstance(rid := sent.get("rid"), str):
             self._abort_runs([r for r in self._runs if rid in r.rids], text)
         return web.Response()
@@ -844,9 +851,18 @@ class StubBackend:
     async def _lora(self, request: web.Request) -> web.StreamResponse:
         # SGLang's LoadLoRAAdapterReqInput / UnloadLoRAAdapterReqInput, answered with its
         # LoRAUpdateOutput: 200 with every adapter now loaded, or 400 saying why not.
+        # LoadLoRAAdapterFromTensorsReqInput names no path: SGLang records "__tensor__"
+        # (io_struct.py, to_ref), and takes the adapter's config and tensors in the body.
         sent = parse(await request.read())
-        name, path = sent.get("lora_name"), sent.get("lora_path")
-        loading = request.path == "/load_lora_adapter"
+        from_tensors = request.path == "/load_lora_adapter_from_tensors"
+        name = sent.get("lora_name")
+        path = "__tensor__" if from_tensors else sent.get("lora_path")
+        loading = request.path != "/unload_lora_adapter"
+        # Upstream names the tensors serialized_named_tensors; Miles' SGLang build
+        # (sglang-miles) serialized_tensors: either stands for them here.
+        tensors = sent.get("serialized_named_tensors", sent.get("serialized_tensors"))
+        if from_tensors and not (isinstance(sent.get("config_dict"), dict) and tensors):
+            raise Reject("config_dict and serialized_named_tensors are required", parse=True)
         if not isinstance(name, str) or (loading and not isinstance(path, str)):
             fields = "lora_name and lora_path" if loading else "lora_name"
             raise Reject(f"{fields} must be strings", parse=True)
