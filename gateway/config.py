@@ -165,6 +165,17 @@ class KubernetesConfig(_Model):
         return self.label_selector
 
 
+class CacheAwareConfig(_Model):
+    """backends.balancer: cache_aware (gateway/fleet/cache_aware.py)."""
+
+    # A match shorter than this share of the prompt goes to the least loaded backend.
+    cache_threshold: Annotated[float, Field(ge=0, le=1)] = 0.3
+    # Prompt-prefix blocks remembered per backend (~100 bytes each), oldest evicted first.
+    max_blocks_per_backend: Annotated[int, Field(ge=16, le=1 << 24)] = 32768
+    # Bytes of each prompt matched: bounds the per-request cost (~1 us per KB).
+    max_prompt_bytes: Annotated[int, Field(ge=1024, le=16 << 20)] = 256 << 10
+
+
 class BackendsConfig(_Model):
     # registry: membership changed over HTTP (POST /workers, as sglang-router and SMG take
     # it), seeded with backends.static.
@@ -172,9 +183,16 @@ class BackendsConfig(_Model):
     static: list[BackendUrl] = Field(default_factory=list)
     dns: DnsConfig | None = None
     kubernetes: KubernetesConfig | None = None
-    balancer: Literal["least_inflight", "round_robin", "power_of_two", "consistent_hash"] = (
-        "least_inflight"
-    )
+    balancer: Literal[
+        "least_inflight", "round_robin", "power_of_two", "consistent_hash", "cache_aware"
+    ] = "least_inflight"
+    # When a request's own backend (its cached prefix with cache_aware, its session with
+    # consistent_hash) is too loaded for it: more in flight than the least loaded candidate
+    # by over balance_abs_threshold and by a factor over balance_rel_threshold. It then goes
+    # to the least loaded one (sglang-router's --balance-abs/rel-threshold).
+    balance_abs_threshold: Annotated[int, Field(ge=0, le=1_000_000)] = 8
+    balance_rel_threshold: Annotated[float, Field(ge=1, le=1000)] = 1.5
+    cache_aware: CacheAwareConfig = CacheAwareConfig()
     # consistent_hash: the request header whose value picks the worker (RL session id).
     hash_header: Annotated[str, Field(min_length=1)] = "X-Session-Id"
     seed: int | None = None  # for reproducible power_of_two choices
