@@ -274,3 +274,15 @@ def test_no_prompt_where_none_can_be_found_cheaply() -> None:
     assert prompt_start(Kind.GENERATE, b'{"\\u0074ext": "x"}') is None
     far = b'{"image_data": "' + b"a" * SEARCH_BYTES + b'", "text": "x"}'
     assert prompt_start(Kind.GENERATE, far) is None
+
+
+def test_among_equal_matches_the_least_loaded_wins() -> None:
+    ca = balancer()
+    a, b, c = fleet(3)
+    prompt = words(600, 23)
+    for holder in (a, b):
+        ca.choose_prompt([holder], prompt, 0)
+    a.inflight, b.inflight, c.inflight = 2, 1, 0  # c is idle but holds nothing
+    assert ca.choose_prompt([a, b, c], prompt + b" q1", 0) is b
+    a.inflight, b.inflight = 1, 2
+    assert ca.choose_prompt([a, b, c], prompt + b" q2", 0) is a
