@@ -172,6 +172,7 @@ BALANCER_NAMES: Final = (
     "power_of_two",
     "consistent_hash",
     "random",
+    "cache_aware",
 )
 
 # The header SMG's consistent_hashing and manual policies read a session's key from.
@@ -194,15 +195,13 @@ SMG_POLICIES: Final[Mapping[str, tuple[str, str | None]]] = {
     "manual": ("consistent_hash", SMG_ROUTING_KEY),
     # Fewest requests in flight through the gateway, where SMG's reads each engine's load.
     "least_load": ("least_inflight", None),
+    # The longest prompt prefix each backend served, unless its load is too uneven; the
+    # prefix is of the request's bytes where SMG's tree is of its text (README).
+    "cache_aware": ("cache_aware", None),
 }
 
 # SMG policies with nothing close enough here: refused at start, saying what to use instead.
 SMG_UNSUPPORTED: Final[Mapping[str, str]] = {
-    "cache_aware": (
-        "SMG's cache_aware keeps a prefix tree of every prompt; the gateway has none yet. "
-        "For prefix-cache affinity of multi-turn sessions use consistent_hashing (the "
-        "session's X-SMG-Routing-Key picks the engine); for load alone, power_of_two"
-    ),
     "prefix_hash": (
         "SMG's prefix_hash hashes each prompt's first tokens; the gateway has no such "
         "balancer. Use consistent_hashing with an X-SMG-Routing-Key per session"
@@ -210,6 +209,17 @@ SMG_UNSUPPORTED: Final[Mapping[str, str]] = {
     "passthrough": "SMG's passthrough is for OpenAI-style upstreams, not SGLang engines",
     "bucket": "SMG's bucket policy is for prefill workers, and the gateway has no PD routing yet",
 }
+
+
+class CacheAwareConfig(_Model):
+    """backends.balancer: cache_aware (gateway/fleet/cache_aware.py)."""
+
+    # A match shorter than this share of the prompt goes to the least loaded backend.
+    cache_threshold: Annotated[float, Field(ge=0, le=1)] = 0.3
+    # Prompt-prefix blocks remembered per backend (~100 bytes each), oldest evicted first.
+    max_blocks_per_backend: Annotated[int, Field(ge=16, le=1 << 24)] = 32768
+    # Bytes of each prompt matched: bounds the per-request cost (~1 us per KB).
+    max_prompt_bytes: Annotated[int, Field(ge=1024, le=16 << 20)] = 256 << 10
 
 
 class BackendsConfig(_Model):
@@ -221,8 +231,15 @@ class BackendsConfig(_Model):
     kubernetes: KubernetesConfig | None = None
     # sglang-router's --policy names are taken too (SMG_POLICIES): see _smg_policy.
     balancer: Literal[
-        "least_inflight", "round_robin", "power_of_two", "consistent_hash", "random"
+        "least_inflight", "round_robin", "power_of_two", "consistent_hash", "random", "cache_aware"
     ] = "least_inflight"
+    # When a request's own backend (its cached prefix with cache_aware, its session with
+    # consistent_hash) is too loaded for it: more in flight than the least loaded candidate
+    # by over balance_abs_threshold and by a factor over balance_rel_threshold. It then goes
+    # to the least loaded one (sglang-router's --balance-abs/rel-threshold).
+    balance_abs_threshold: Annotated[int, Field(ge=0, le=1_000_000)] = 8
+    balance_rel_threshold: Annotated[float, Field(ge=1, le=1000)] = 1.5
+    cache_aware: CacheAwareConfig = CacheAwareConfig()
     # consistent_hash: the request header whose value picks the worker (RL session id).
     hash_header: Annotated[str, Field(min_length=1)] = "X-Session-Id"
     seed: int | None = None  # for reproducible power_of_two choices

@@ -93,8 +93,12 @@ def _parser() -> _Parser:
     p.add_argument(
         "--policy",
         metavar="NAME",
-        help="backends.balancer: " + ", ".join(names) + " (default: least_inflight)",
+        help="backends.balancer: " + ", ".join(names) + " (default: cache_aware, SMG's "
+        "default, unless --config names a balancer)",
     )
+    p.add_argument("--cache-threshold", type=float, help="backends.cache_aware.cache_threshold")
+    p.add_argument("--balance-abs-threshold", type=int, help="backends.balance_abs_threshold")
+    p.add_argument("--balance-rel-threshold", type=float, help="backends.balance_rel_threshold")
     p.add_argument(
         "--prometheus-port",
         type=int,
@@ -154,6 +158,9 @@ _SIMPLE: Final[dict[str, tuple[str, Callable[[Any], Any]]]] = {
     "health_check_endpoint": ("backends.health.path", str),
     "shutdown_grace_period_secs": ("timeouts.shutdown_grace_s", float),
     "workers": ("listen.workers", int),
+    "cache_threshold": ("backends.cache_aware.cache_threshold", float),
+    "balance_abs_threshold": ("backends.balance_abs_threshold", int),
+    "balance_rel_threshold": ("backends.balance_rel_threshold", float),
 }
 
 
@@ -165,6 +172,8 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
         "listen.port": args.port,
         "admin.port": args.prometheus_port,
     }
+    if args.policy is None and args.config is None:
+        out["backends.balancer"] = "cache_aware"  # SMG's default policy
     if args.policy is not None:
         # Checked by the config too (backends.balancer); said here in the flag's words.
         if args.policy in SMG_UNSUPPORTED:

@@ -140,20 +140,25 @@ async def test_the_flags_become_the_config() -> None:
     assert t["total_s"] == t["ttfb_s"] == t["idle_s"] == 14400
     assert cfg["limits"]["max_body_bytes"] == 1048576
     assert cfg["logging"]["level"] == "warning"
-    # With no worker at all: engines register themselves later.
-    code, out, _ = await run("--check-config")
-    assert code == 0 and yaml.safe_load(out)["backends"]["static"] == []
+    # With no worker at all: engines register themselves later; SMG's default policy, and
+    # its cache-aware thresholds by their flags.
+    code, out, _ = await run(
+        "--check-config", "--cache-threshold", "0.5", "--balance-abs-threshold", "16"
+    )
+    b = yaml.safe_load(out)["backends"]
+    assert code == 0 and b["static"] == [] and b["balancer"] == "cache_aware"
+    assert b["cache_aware"]["cache_threshold"] == 0.5 and b["balance_abs_threshold"] == 16
 
 
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["--cache-threshold", "0.5"], "not supported: --cache-threshold"),
+        (["--max-tree-size", "1000"], "not supported: --max-tree-size"),
         (["--pol", "random"], "not supported: --pol"),
         (["--pd-disaggregation"], "--pd-disaggregation is not supported: PD"),
         (["--prefill", "http://p:1", "9000"], "--prefill is not supported"),
         (["--api-key=secret"], "--api-key is not supported"),
-        (["--policy", "cache_aware"], "--policy cache_aware: SMG's cache_aware"),
+        (["--policy", "prefix_hash"], "--policy prefix_hash: SMG's prefix_hash"),
         (["--policy", "fastest"], "--policy fastest: not a policy"),
         (["--port", "x"], "invalid int value"),
     ],

@@ -29,6 +29,7 @@ from gateway.contract.policy import (
     Mode,
     Rejection,
 )
+from gateway.contract.prompt import prompt_start
 from gateway.contract.replies import Outcome
 from gateway.contract.routes import Family, Kind, Route, RouteTable, canonical_path
 from gateway.contract.skim import SKIM_MIN_BODY
@@ -58,7 +59,7 @@ from gateway.edge.upstream import (
 )
 from gateway.fleet.capability import Admission, Needs, only_disaggregated
 from gateway.fleet.membership import Fleet
-from gateway.fleet.pool import Backend
+from gateway.fleet.pool import Backend, Prompt
 from gateway.ops.observe import USER_AGENT_MAX, Exchange, Observer
 from gateway.ops.redact import describe
 
@@ -459,9 +460,12 @@ class Call:
         headers = self.upstream_headers(settings.forwarding)
         data = body if request.body_exists else None
         key = request.headers.get(settings.hash_header) if settings.hash_header else None
+        prompt = self.prompt(body) if pool.prefix is not None else None
         tried: list[Backend] = []
         while len(tried) < settings.attempts:
-            backend = await pool.acquire(tried, key, settings.queue_timeout, fits=needs)
+            backend = await pool.acquire(
+                tried, key, settings.queue_timeout, fits=needs, prompt=prompt
+            )
             if backend is None:
                 return self.no_backend(tried, needs)
             tried.append(backend)
@@ -493,6 +497,14 @@ class Call:
                 if rids:
                     proxy.owners.release(rids, backend.url)
         return self.unavailable(Outcome.NO_BACKEND)
+
+    def prompt(self, body: bytes) -> Prompt | None:
+        """Where the body's prompt starts, for cache_aware (gateway/contract/prompt.py)."""
+        route = self.route
+        if route is None or not body:
+            return None
+        start = prompt_start(route.kind, body)
+        return None if start is None else (body, start)
 
     def _failed(self, backend: Backend, exc: UpstreamFailure) -> Reply | None:
         """The reply to an attempt that failed; None when nothing reached the backend, so

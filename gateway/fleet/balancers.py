@@ -12,6 +12,7 @@ import hashlib
 import itertools
 import random
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 
@@ -112,6 +113,20 @@ class PowerOfTwo:
         pass
 
 
+@dataclass(frozen=True, slots=True)
+class BalanceRule:
+    """When the backend a request belongs to (its session, its cached prefix) is too loaded
+    to take it: more in flight than the least loaded candidate by over `abs_threshold`
+    *and* by a factor over `rel_threshold` (sglang-router's --balance-abs-threshold and
+    --balance-rel-threshold, asked of that backend instead of the fleet's busiest)."""
+
+    abs_threshold: int = 8
+    rel_threshold: float = 1.5
+
+    def overloaded(self, load: int, least: int) -> bool:
+        return load - least > self.abs_threshold and load > least * self.rel_threshold
+
+
 def _hash(value: str) -> int:
     # Stable across processes and restarts (unlike hash()), so every gateway replica sends a
     # session to the same worker.
@@ -125,13 +140,17 @@ class ConsistentHash:
     that worker is routable; when it is not, only its keys move, to the next routable one
     clockwise. The ring holds every member (virtual nodes for an even spread) and is rebuilt
     only when membership changes, not when health flaps. Requests without the header fall
-    back to least-inflight.
+    back to least-inflight. With a `spill` rule, a session whose worker is overloaded by it
+    goes to the least loaded one instead of piling on.
     """
 
-    __slots__ = ("_fallback", "_points", "_urls", "_vnodes")
+    __slots__ = ("_fallback", "_points", "_spill", "_urls", "_vnodes")
 
-    def __init__(self, seed: int | None = None, vnodes: int = 160) -> None:
+    def __init__(
+        self, seed: int | None = None, vnodes: int = 160, spill: BalanceRule | None = None
+    ) -> None:
         self._vnodes = vnodes
+        self._spill = spill
         self._fallback = LeastInflight(seed)
         self._points: list[int] = []
         self._urls: list[str] = []
@@ -150,6 +169,11 @@ class ConsistentHash:
         for step in range(n):
             backend = by_url.get(self._urls[(start + step) % n])
             if backend is not None:
+                spill = self._spill
+                if spill is not None and backend.inflight > spill.abs_threshold:
+                    least = min(c.inflight for c in candidates)
+                    if spill.overloaded(backend.inflight, least):
+                        return self._fallback.choose(candidates, None)
                 return backend
         # Candidates the ring does not know (membership not yet announced): stay correct.
         return self._fallback.choose(candidates, None)

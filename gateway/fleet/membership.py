@@ -14,7 +14,8 @@ from typing import Protocol
 from gateway.config import BackendsConfig, KubernetesConfig
 from gateway.contract.profiles import MaskProfile
 from gateway.fleet import engines
-from gateway.fleet.balancers import BALANCERS, Balancer
+from gateway.fleet.balancers import BALANCERS, Balancer, BalanceRule, ConsistentHash
+from gateway.fleet.cache_aware import CacheAware, CacheAwareRules
 from gateway.fleet.discovery import (
     Discovery,
     DnsDiscovery,
@@ -39,6 +40,15 @@ class FleetClients(Prober, Protocol):
 
 
 def make_balancer(cfg: BackendsConfig) -> Balancer:
+    rule = BalanceRule(cfg.balance_abs_threshold, cfg.balance_rel_threshold)
+    if cfg.balancer == "cache_aware":
+        c = cfg.cache_aware
+        rules = CacheAwareRules(
+            rule, c.cache_threshold, c.max_blocks_per_backend, c.max_prompt_bytes
+        )
+        return CacheAware(rules, cfg.seed)
+    if cfg.balancer == "consistent_hash":
+        return ConsistentHash(cfg.seed, spill=rule)
     return BALANCERS[cfg.balancer](cfg.seed)
 
 

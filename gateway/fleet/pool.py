@@ -21,6 +21,7 @@ from typing import Final
 
 from gateway.contract.profiles import DEFAULT_CAP, Family, MaskProfile, ServerInfo, profile_of
 from gateway.fleet.balancers import Balancer
+from gateway.fleet.cache_aware import CacheAware
 
 log = logging.getLogger("gateway.fleet.pool")
 
@@ -124,6 +125,8 @@ class Backend:
 
 # What a request needs of a backend beyond being routable (proxy: weights, mask admission).
 Fit = Callable[["Backend"], bool]
+# A request body and the offset its prompt starts at (gateway/contract/prompt.py).
+Prompt = tuple[bytes, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +169,7 @@ class BackendPool:
     ) -> None:
         self.backends: tuple[Backend, ...] = ()
         self._balancer = balancer
+        self.prefix = balancer if isinstance(balancer, CacheAware) else None
         self._policy = policy
         self._clock = clock
         self._slot_waiters: deque[asyncio.Future[None]] = deque()
@@ -212,7 +216,11 @@ class BackendPool:
     def reconfigure(self, balancer: Balancer, policy: PoolRules) -> None:
         """Swap rules on reload; backend state is kept."""
         balancer.set_members([b.url for b in self.backends])
+        prefix = balancer if isinstance(balancer, CacheAware) else None
+        if prefix is not None and self.prefix is not None:
+            prefix.inherit(self.prefix)
         self._balancer = balancer
+        self.prefix = prefix
         self._policy = policy
         self._reprofile()
 
@@ -230,6 +238,8 @@ class BackendPool:
         b.server_info = None
         b.info_read_at = None
         self._reprofile()
+        if self.prefix is not None:
+            self.prefix.forget(b.url)  # and its prefix cache with it
 
     def _reprofile(self) -> None:
         # A backend of unknown release gets every known rule at once, with the smallest cap
@@ -283,9 +293,11 @@ class BackendPool:
         key: str | None = None,
         *,
         fits: Fit | None = None,
+        prompt: Prompt | None = None,
     ) -> Backend | None:
         """A routable backend below its concurrency cap (and one that `fits` the request:
-        the weights it asks for, a mask it can serve), or None."""
+        the weights it asks for, a mask it can serve), or None. With cache_aware, `prompt`
+        (the body and where its prompt starts) picks among them."""
         now = self._clock()
         cap = self._policy.max_inflight
         candidates = [
@@ -298,6 +310,8 @@ class BackendPool:
         ]
         if not candidates:
             return None
+        if prompt is not None and self.prefix is not None:
+            return self.prefix.choose_prompt(candidates, *prompt)
         return self._balancer.choose(candidates, key)
 
     def saturated(self, exclude: Sequence[Backend] = ()) -> bool:
@@ -317,21 +331,27 @@ class BackendPool:
         wait_s: float,
         *,
         fits: Fit | None = None,
+        prompt: Prompt | None = None,
     ) -> Backend | None:
         """Take a slot on a backend for the next attempt: picked and counted in flight.
 
         If every routable backend is at its concurrency cap, wait up to `wait_s` for a slot
         rather than overload one or fail at once; None when there is none to have.
         """
-        backend = self.pick(exclude, key, fits=fits)
+        backend = self.pick(exclude, key, fits=fits, prompt=prompt)
         if backend is None and wait_s > 0 and (self.saturated(exclude) or self.held(exclude)):
-            backend = await self._wait_for_slot(exclude, key, wait_s, fits)
+            backend = await self._wait_for_slot(exclude, key, wait_s, fits, prompt)
         if backend is not None:
             backend.inflight += 1
         return backend
 
     async def _wait_for_slot(
-        self, exclude: Sequence[Backend], key: str | None, wait_s: float, fits: Fit | None
+        self,
+        exclude: Sequence[Backend],
+        key: str | None,
+        wait_s: float,
+        fits: Fit | None,
+        prompt: Prompt | None = None,
     ) -> Backend | None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
@@ -346,7 +366,7 @@ class BackendPool:
             finally:
                 if not waiter.done():
                     waiter.cancel()
-            backend = self.pick(exclude, key, fits=fits)
+            backend = self.pick(exclude, key, fits=fits, prompt=prompt)
             if backend is not None or not (self.saturated(exclude) or self.held(exclude)):
                 return backend
         return None

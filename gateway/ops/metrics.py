@@ -38,6 +38,7 @@ from gateway import build
 from gateway.contract.policy import SAMPLING_MASK
 from gateway.contract.replies import Outcome
 from gateway.contract.routes import CONTROL_ROUTES
+from gateway.fleet.cache_aware import DECISIONS, RouteStats
 from gateway.fleet.pool import BackendPool, Health
 from gateway.ops import logs
 from gateway.ops.observe import Exchange
@@ -310,6 +311,66 @@ class _BackendCollector(Collector):
         )
 
 
+class _CacheAwareCollector(Collector):
+    """What cache_aware decided per backend (gateway/fleet/cache_aware.py), read at scrape
+    time; no series with another balancer."""
+
+    def __init__(self, pool: BackendPool) -> None:
+        self._pool = pool
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self._families())
+
+    def collect(self) -> Iterable[Metric]:
+        prefix = self._pool.prefix
+        if prefix is None:
+            return ()
+        families = self._families()
+        decisions, matched, prompt, blocks = families
+        members = [b.url for b in self._pool.backends]
+        for url in members:
+            stats = prefix.stats.get(url) or RouteStats()
+            for decision in DECISIONS:
+                decisions.add_metric([url, decision], float(stats.decisions[decision]))
+            matched.add_metric([url], float(stats.matched_bytes))
+            prompt.add_metric([url], float(stats.prompt_bytes))
+            blocks.add_metric([url], float(prefix.held_blocks(url)))
+        return families
+
+    @staticmethod
+    def _families() -> tuple[
+        CounterMetricFamily, CounterMetricFamily, CounterMetricFamily, GaugeMetricFamily
+    ]:
+        p = PREFIX + "cache_aware_"
+        return (
+            CounterMetricFamily(
+                p + "decisions",
+                "Requests cache_aware sent to the backend, by why: matched (it held the "
+                "longest prompt prefix), balanced (it was the least loaded, the longest "
+                "match's backend being over the balance rule), unmatched (no backend held "
+                "cache_threshold of the prompt), no_prompt (none located in the body).",
+                labels=["backend", "decision"],
+            ),
+            CounterMetricFamily(
+                p + "matched_bytes",
+                "Prompt bytes of the requests sent to the backend that it had served before "
+                "(its prefix match); over prompt_bytes, the gateway's estimate of its "
+                "prefix-cache hit rate.",
+                labels=["backend"],
+            ),
+            CounterMetricFamily(
+                p + "prompt_bytes",
+                "Prompt bytes of the requests sent to the backend (up to max_prompt_bytes each).",
+                labels=["backend"],
+            ),
+            GaugeMetricFamily(
+                p + "index_blocks",
+                "Prompt-prefix blocks the gateway remembers the backend served.",
+                labels=["backend"],
+            ),
+        )
+
+
 class Metrics(Collector):
     """The gateway's request metrics (an observer of finished exchanges) and its registry."""
 
@@ -416,6 +477,7 @@ class Metrics(Collector):
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
         self.registry.register(_BackendCollector(pool))
+        self.registry.register(_CacheAwareCollector(pool))
         # The standard process_* and python_* families, on this registry (not the global).
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)

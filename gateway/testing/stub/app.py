@@ -39,6 +39,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway import runtime
 from gateway.testing.stub.admin import start_admin
+from gateway.testing.stub.cache import PrefixCache, generate_prompts, stamp, stamped
 from gateway.testing.stub.faults import (
     CTX,
     MID_BODY_EVENTS,
@@ -167,8 +168,12 @@ class StubBackend:
         sampling_mask_max_tokens: int = 4096,
         speculative_algorithm: str | None = None,
         weight_version_route: bool = True,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.model = model
+        # SGLang's radix cache in miniature (gateway/testing/stub/cache.py); None: none, and
+        # every cached_tokens is 0.
+        self.prefix_cache = prefix_cache
         self.version = version
         self.sampling_mask_max_tokens = sampling_mask_max_tokens
         self.speculative_algorithm = speculative_algorithm
@@ -569,12 +574,16 @@ class StubBackend:
             meta = {"id": uuid.uuid4().hex, "finish_reason": reason, "prompt_tokens": 0}
             return await self._stream(request, [{"text": "", "output_ids": [], "meta_info": meta}])
         ctx.items = items
+        cache = self.prefix_cache
+        cached = await cache.serve(generate_prompts(body)) if cache is not None else []
         if stream:
-            return await self._stream(request, self._generate_events(request, items, batch, ctx))
+            events = self._generate_events(request, items, batch, ctx)
+            return await self._stream(request, stamped(events, cached) if cached else events)
         outs = [
             generate_out(it, it.max_new, ctx.started, weight_version=self.weight_version)
             for it in items
         ]
+        stamp(outs, cached)
         self._generated_tokens += sum(it.max_new for it in items)
         payload: object = outs if batch else outs[0]
         target = header_int(request, "X-Stub-Response-Bytes")
@@ -637,6 +646,8 @@ class StubBackend:
 
             return await self._choice_stream(request, base, n, delta)
         prompt = words(body.get("messages"))
+        cache = self.prefix_cache
+        cached = await cache.serve([body.get("messages")]) if cache is not None else []
         message = {"role": "assistant", "content": self._text(n), "tool_calls": None}
         logprobs = openai_chat(lp, 0, n) if lp else None
         choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": "length"}
@@ -645,6 +656,7 @@ class StubBackend:
             choice["meta_info"] = generate_out(
                 item, n, request[CTX].started, weight_version=self.weight_version
             )["meta_info"]
+            stamp([choice], cached)
         return json_response(
             base | {"object": "chat.completion", "choices": [choice]} | usage(prompt, n)
         )
@@ -1030,6 +1042,8 @@ class StubBackend:
                 "(When there are running or waiting requests, the operation will not be "
                 "performed.)\n",
             )
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
         return web.Response(text="Cache flushed.\nPlease check backend logs for more details.\n")
 
     async def _metrics(self, request: web.Request) -> web.StreamResponse:
@@ -1044,6 +1058,13 @@ class StubBackend:
             "# TYPE sglang:num_requests_total counter",
             f"sglang:num_requests_total{label} {float(self.generations_seen)}",
         ]
+        if (cache := self.prefix_cache) is not None:
+            lines += [
+                "# TYPE sglang:prompt_tokens_total counter",
+                f"sglang:prompt_tokens_total{label} {float(cache.prompt_tokens_total)}",
+                "# TYPE sglang:cached_tokens_total counter",
+                f"sglang:cached_tokens_total{label} {float(cache.cached_tokens_total)}",
+            ]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 
@@ -1085,7 +1106,35 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=4096,
         help="bytes of each remembered body (default 4096); the sha256 is of the whole body",
     )
+    parser.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=0,
+        help="tokens the prefix cache holds (LRU; default 0: no cache, cached_tokens 0)",
+    )
+    parser.add_argument(
+        "--prefix-block-tokens", type=int, default=16, help="tokens per cached block (16)"
+    )
+    parser.add_argument(
+        "--prefill-us-per-token",
+        type=float,
+        default=0.0,
+        help="prefill time per uncached prompt token, queued per engine (default 0: none)",
+    )
     return parser.parse_args(argv)
+
+
+def _prefix_cache(args: argparse.Namespace) -> PrefixCache | None:
+    if args.prefix_cache_tokens <= 0 and args.prefill_us_per_token <= 0:
+        return None
+    try:
+        return PrefixCache(
+            max(args.prefix_cache_tokens, 0),
+            args.prefix_block_tokens,
+            args.prefill_us_per_token / 1e6,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"stub: {exc}") from exc
 
 
 async def _serve(args: argparse.Namespace) -> None:
@@ -1100,6 +1149,7 @@ async def _serve(args: argparse.Namespace) -> None:
         version=args.release,
         sampling_mask_max_tokens=args.sampling_mask_max_tokens,
         speculative_algorithm=args.speculative_algorithm,
+        prefix_cache=_prefix_cache(args),
     )
     host = f"[{args.host}]" if ":" in args.host else args.host
     # Signals first: a SIGTERM right after the banner below must stop, not kill.

@@ -1,0 +1,288 @@
+"""cache_aware: the prefix index (bounded, prefix-closed, forgetful), the balancer's
+decisions, the prompt locator, and session affinity that spills."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from gateway.config import BackendsConfig
+from gateway.contract.prompt import SEARCH_BYTES, prompt_start
+from gateway.contract.routes import Kind
+from gateway.fleet.balancers import BalanceRule, ConsistentHash
+from gateway.fleet.cache_aware import (
+    BALANCED,
+    MATCHED,
+    NO_PROMPT,
+    UNMATCHED,
+    CacheAware,
+    CacheAwareRules,
+)
+from gateway.fleet.membership import make_balancer
+from gateway.fleet.pool import Backend, BackendPool, Health
+from gateway.fleet.prefix_index import FIRST_BLOCK, PrefixIndex, block_names
+
+URLS = [f"http://10.0.0.{i}:30000" for i in range(1, 5)]
+
+
+def words(n: int, seed: int) -> bytes:
+    rng = random.Random(seed)
+    return b" ".join(b"w%d" % rng.randrange(10**6) for _ in range(n))
+
+
+def names(prompt: bytes) -> list[int]:
+    return block_names(prompt, 0, 1 << 20)[0]
+
+
+# -- the index -----------------------------------------------------------------------------
+
+
+def test_blocks_grow_with_the_offset_and_stop_at_the_limit() -> None:
+    prompt = words(20000, 1)
+    hashes, ends = block_names(prompt, 0, len(prompt))
+    sizes = [b - a for a, b in zip([0, *ends], ends, strict=False)]
+    assert sizes[:8] == [FIRST_BLOCK] * 8
+    assert all(later >= earlier for earlier, later in itertools.pairwise(sizes))
+    assert len(hashes) < 60 < len(prompt) // FIRST_BLOCK  # logarithmic, not linear
+    assert ends[-1] > len(prompt) * 7 // 8
+    limited, limited_ends = block_names(prompt, 0, 4096)
+    assert limited_ends[-1] <= 4096 and limited == hashes[: len(limited)]
+    # A prompt further into a body has the same names: they depend on its bytes only.
+    assert block_names(b'{"text": ' + prompt, 9, len(prompt))[0] == hashes
+
+
+def test_a_backend_matches_the_longest_prefix_it_served() -> None:
+    index = PrefixIndex(10_000)
+    system = words(400, 2)
+    turn1 = system + words(300, 3)
+    index.record(URLS[0], names(turn1))
+    turn2 = turn1 + words(300, 4)
+    assert index.matched(URLS[0], names(turn2)) == len(names(turn1))
+    other = system + words(300, 5)
+    shared = index.matched(URLS[0], names(other))
+    assert 0 < shared < len(names(turn1))
+    assert index.matched(URLS[1], names(turn2)) == 0
+
+
+def test_memory_is_bounded_and_the_deepest_oldest_blocks_go_first() -> None:
+    index = PrefixIndex(64)
+    system = words(200, 6)
+    for i in range(200):
+        index.record(URLS[0], names(system + words(400, 100 + i)))
+        assert index.blocks(URLS[0]) <= 64
+    # The shared prefix, touched by every prompt, survived; old conversations did not.
+    assert index.matched(URLS[0], names(system + words(400, 100))) >= len(names(system)) - 1
+    assert index.matched(URLS[0], names(system + words(400, 299))) == len(
+        names(system + words(400, 299))
+    )
+
+
+def test_eviction_keeps_every_backend_prefix_closed() -> None:
+    rng = random.Random(7)
+    index = PrefixIndex(40)
+    prompts = [words(rng.randrange(50, 800), rng.randrange(5)) for _ in range(300)]
+    for p in prompts:
+        index.record(URLS[0], names(p))
+    served = index._served[URLS[0]]
+    for p in prompts:
+        ns = names(p)
+        held = [n in served for n in ns]
+        # Once a block is missing, every block after it is missing too.
+        assert held == sorted(held, reverse=True)
+
+
+def test_forget_and_keep_only_drop_what_a_backend_served() -> None:
+    index = PrefixIndex(1000)
+    prompt = words(500, 8)
+    for url in URLS:
+        index.record(url, names(prompt))
+    index.forget(URLS[0])
+    assert index.matched(URLS[0], names(prompt)) == 0
+    index.keep_only(URLS[2:])
+    assert index.urls() == URLS[2:]
+    assert index.matched(URLS[2], names(prompt)) == len(names(prompt))
+
+
+# -- the balancer --------------------------------------------------------------------------
+
+
+def fleet(n: int = 4) -> list[Backend]:
+    return [Backend(u) for u in URLS[:n]]
+
+
+def balancer(**kw: object) -> CacheAware:
+    rules = CacheAwareRules(**kw)  # type: ignore[arg-type]
+    b = CacheAware(rules, seed=0)
+    b.set_members(URLS)
+    return b
+
+
+def test_a_conversation_stays_where_its_prefix_is() -> None:
+    ca = balancer()
+    backends = fleet()
+    convo = b'"' + words(300, 9)
+    first = ca.choose_prompt(backends, convo, 0)
+    for turn in range(10):
+        convo += words(100, 10 + turn)
+        assert ca.choose_prompt(backends, convo, 0) is first
+    assert ca.stats[first.url].decisions[MATCHED] == 10
+    assert ca.stats[first.url].matched_bytes > 0
+
+
+def test_an_overloaded_owner_is_balanced_away_then_both_share_the_prefix() -> None:
+    ca = balancer(balance=BalanceRule(abs_threshold=2, rel_threshold=1.5))
+    backends = fleet(2)
+    system = words(600, 11)
+    owner = ca.choose_prompt(backends, system + words(20, 12), 0)
+    other = backends[1] if owner is backends[0] else backends[0]
+    owner.inflight = 3  # 3 - 0 > 2 and 3 > 0 * 1.5
+    assert ca.choose_prompt(backends, system + words(20, 13), 0) is other
+    assert ca.stats[other.url].decisions[BALANCED] == 1
+    # Both now hold the system prompt: the less loaded of them takes the next one.
+    owner.inflight, other.inflight = 1, 0
+    assert ca.choose_prompt(backends, system + words(20, 14), 0) is other
+    owner.inflight, other.inflight = 0, 1
+    assert ca.choose_prompt(backends, system + words(20, 15), 0) is owner
+
+
+def test_a_load_within_the_rule_keeps_the_match() -> None:
+    ca = balancer(balance=BalanceRule(abs_threshold=2, rel_threshold=1.5))
+    backends = fleet(2)
+    prompt = words(600, 16)
+    owner = ca.choose_prompt(backends, prompt, 0)
+    owner.inflight = 2  # not more than 2 above the other
+    assert ca.choose_prompt(backends, prompt + b" more", 0) is owner
+    owner.inflight = 5
+    for b in backends:
+        if b is not owner:
+            b.inflight = 4  # 5 > 4 + 2 fails: not overloaded
+    assert ca.choose_prompt(backends, prompt + b" again", 0) is owner
+
+
+def test_a_short_match_goes_to_the_least_loaded() -> None:
+    ca = balancer(cache_threshold=0.5)
+    backends = fleet(2)
+    shared = words(100, 17)
+    owner = ca.choose_prompt(backends, shared + words(20, 18), 0)
+    owner.inflight = 1
+    # The shared part is well under half of this prompt.
+    chosen = ca.choose_prompt(backends, shared + words(900, 19), 0)
+    assert chosen is not owner
+    assert ca.stats[chosen.url].decisions[UNMATCHED] == 1
+
+
+def test_without_a_prompt_it_is_least_loaded() -> None:
+    ca = balancer()
+    backends = fleet()
+    for i, b in enumerate(backends):
+        b.inflight = 4 - i
+    assert ca.choose(backends, None) is backends[3]
+    assert ca.choose_prompt(backends, b"short", 0) is backends[3]  # no whole block
+    assert ca.stats[backends[3].url].decisions[NO_PROMPT] == 2
+
+
+def test_only_candidates_are_chosen_and_departed_backends_are_forgotten() -> None:
+    ca = balancer()
+    backends = fleet()
+    prompt = words(500, 20)
+    owner = ca.choose_prompt(backends[:1], prompt, 0)
+    assert owner is backends[0]
+    # The owner is not a candidate (paused, wrong weights, cannot serve the mask).
+    assert ca.choose_prompt(backends[1:], prompt, 0) in backends[1:]
+    ca.set_members(URLS[1:])
+    assert ca.held_blocks(URLS[0]) == 0 and URLS[0] not in ca.stats
+
+
+def test_a_reload_keeps_what_was_learnt() -> None:
+    old = balancer()
+    backends = fleet()
+    prompt = words(500, 21)
+    owner = old.choose_prompt(backends, prompt, 0)
+    new = balancer(max_blocks_per_backend=16)
+    new.inherit(old)
+    assert new.choose_prompt(backends, prompt + b" x", 0) is owner
+    assert new.held_blocks(owner.url) <= 16
+    assert new.stats[owner.url].decisions[MATCHED] == 1
+
+
+def test_the_pool_routes_by_prompt_and_forgets_a_restarted_backend() -> None:
+    cfg = BackendsConfig(static=URLS, balancer="cache_aware")
+    pool = BackendPool(URLS, make_balancer(cfg))
+    assert pool.prefix is not None
+    body = b'{"text": "' + words(500, 22) + b'"}'
+    owner = pool.pick(prompt=(body, 9))
+    assert owner is not None
+    assert pool.pick(prompt=(body, 9)) is owner
+    owner.health = Health.UNHEALTHY
+    pool.forget(owner)  # what the prober does when it comes back
+    assert pool.prefix.held_blocks(owner.url) == 0
+    # A mask request that only another backend admits goes there, prompt or not.
+    assert pool.pick(prompt=(body, 9), fits=lambda b: b is not owner) is not owner
+
+
+def test_the_config_builds_the_balancers_with_the_balance_rule() -> None:
+    cfg = BackendsConfig(
+        static=URLS, balancer="cache_aware", balance_abs_threshold=3, balance_rel_threshold=2.0
+    )
+    ca = make_balancer(cfg)
+    assert isinstance(ca, CacheAware) and ca.rules.balance == BalanceRule(3, 2.0)
+    with pytest.raises(ValueError, match="balance_rel_threshold"):
+        BackendsConfig(static=URLS, balance_rel_threshold=0.5)
+
+
+# -- session affinity that spills --------------------------------------------------------
+
+
+def test_consistent_hash_spills_an_overloaded_session_owner() -> None:
+    ring = ConsistentHash(1, spill=BalanceRule(abs_threshold=4, rel_threshold=1.5))
+    backends = fleet()
+    ring.set_members(URLS)
+    owner = ring.choose(backends, "session-1")
+    owner.inflight = 4
+    assert ring.choose(backends, "session-1") is owner  # 4 - 0 is not over 4
+    owner.inflight = 5
+    spilled = ring.choose(backends, "session-1")
+    assert spilled is not owner and spilled.inflight == 0
+    # Without a rule it piles on, as before.
+    plain = ConsistentHash(1)
+    plain.set_members(URLS)
+    assert plain.choose(backends, "session-1") is owner
+
+
+# -- the prompt locator ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "value"),
+    [
+        (Kind.GENERATE, b'{"rid": "x", "text": "hello"}', b'"hello"'),
+        (Kind.GENERATE, b'{"input_ids" :\n [1, 2, 3]}', b"[1, 2, 3]"),
+        (Kind.GENERATE, b'{"stop": ["text"], "text":"p"}', b'"p"'),  # a value, then the key
+        (Kind.CHAT, b'{"model": "m", "messages": [{"role": "user"}]}', b'[{"role": "user"}]'),
+        (Kind.COMPLETIONS, b'{"prompt": "a b"}', b'"a b"'),
+    ],
+)
+def test_the_prompt_is_found_where_its_value_starts(kind: Kind, body: bytes, value: bytes) -> None:
+    start = prompt_start(kind, body)
+    assert start is not None and body[start:].startswith(value)
+
+
+def test_no_prompt_where_none_can_be_found_cheaply() -> None:
+    assert prompt_start(Kind.PASSTHROUGH, b'{"text": "x"}') is None
+    assert prompt_start(Kind.GENERATE, b'{"\\u0074ext": "x"}') is None
+    far = b'{"image_data": "' + b"a" * SEARCH_BYTES + b'", "text": "x"}'
+    assert prompt_start(Kind.GENERATE, far) is None
+
+
+def test_among_equal_matches_the_least_loaded_wins() -> None:
+    ca = balancer()
+    a, b, c = fleet(3)
+    prompt = words(600, 23)
+    for holder in (a, b):
+        ca.choose_prompt([holder], prompt, 0)
+    a.inflight, b.inflight, c.inflight = 2, 1, 0  # c is idle but holds nothing
+    assert ca.choose_prompt([a, b, c], prompt + b" q1", 0) is b
+    a.inflight, b.inflight = 1, 2
+    assert ca.choose_prompt([a, b, c], prompt + b" q2", 0) is a

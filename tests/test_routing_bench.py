@@ -1,0 +1,51 @@
+"""The routing benchmark's smoke run works end to end (no figure is asserted, only that
+every run completes and writes its table); sglang-router's runs are skipped where it is
+not installed."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import routing_trace
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_trace_is_replayable_and_has_every_shape() -> None:
+    assert routing_trace.make("mix", 5) == routing_trace.make("mix", 5)
+    assert routing_trace.make("mix", 5) != routing_trace.make("mix", 6)
+    jobs = routing_trace.make("mix", 5)
+    sessions = [j for j in jobs if len(j) > 1]
+    assert sessions and all(
+        b[0].startswith(a[0]) for j in sessions for a, b in itertools.pairwise(j)
+    )
+    groups = [j for j in jobs if len(j[0]) > 1]
+    assert groups and all(len(set(j[0])) == 1 for j in groups)
+
+
+@pytest.mark.slow  # starts 4 stubs and the routers: run by scripts/check.sh --slow
+def test_routing_bench_smoke_runs(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "routing.py"), "--smoke", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (result,) = tmp_path.glob("routing-*-smoke.json")
+    runs = json.loads(result.read_text())["runs"]
+    assert len(runs) == 6
+    for run in runs:
+        assert run["status"] == "ok" or run["status"].startswith("skipped"), run
+        if run["status"] == "ok":
+            assert run["errors"] == 0 and run["requests"] > 0
