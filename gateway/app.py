@@ -119,6 +119,7 @@ def proxy_settings(cfg: GatewayConfig) -> ProxySettings:
             strip_client_authorization=True,
         ),
         control_timeout=control.timeout_s,
+        pause_hold=control.timeout_s if b.pause_hold_s is None else b.pause_hold_s,
     )
 
 
