@@ -27,6 +27,7 @@ from gateway.contract.policy import (
     Rejection,
     request_ids,
 )
+from gateway.contract.rids import top_level_rids
 from gateway.contract.routes import Kind
 from gateway.contract.skim import Skimmed
 
@@ -201,10 +202,17 @@ def inspect_body(
     unparsed: no mask can be requested by it, and SGLang (same parser) refuses it itself if
     it is malformed. This trades the gateway's own 400 for malformed or mistyped bodies
     (rules 1 and 5 of the contract) for not building a Python object tree of a large body.
-    `rids`, when given, receives the body's request ids (policy.request_ids).
+    `rids`, when given, receives the body's request ids (policy.request_ids); a skipped
+    body's are read by a walk of its structure (gateway/contract/rids.py), and one whose
+    rid that walk cannot vouch for is parsed and judged after all.
     """
     if skip_parse_without_key and not may_hold_mask_key(body):
-        return None
+        if rids is None:
+            return None
+        found = top_level_rids(body)
+        if found is not None:
+            rids += found
+            return None
     parsed = parse_object(body, kind)
     if isinstance(parsed, Rejection):
         return parsed

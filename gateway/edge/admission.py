@@ -26,6 +26,7 @@ from gateway.contract.policy import (
     Rejection,
     request_ids,
 )
+from gateway.contract.rids import top_level_rids_sliced
 from gateway.contract.routes import Kind
 from gateway.contract.skim import skim
 from gateway.edge.budget import InspectionBudget, TooCostly, parse_cost_sliced
@@ -47,7 +48,12 @@ async def inspect_large(
     without being parsed (gateway/contract/skim.py), and the parse waits for its share of the
     inspection budget (gateway/edge/budget.py)."""
     if skip_parse_without_key and not await may_hold_mask_key_sliced(body):
-        return None
+        if rids is None:
+            return None
+        found = await top_level_rids_sliced(body)
+        if found is not None:
+            rids += found
+            return None
     # orjson's own verdict is needed on bodies it may refuse (see ORJSON_SENSITIVE). A route
     # that reads no shape-only field (chat, completions) has nothing to skim: walking a
     # 1 MB chat body's strings cost ten times its parse.

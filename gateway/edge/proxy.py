@@ -455,8 +455,8 @@ class Call:
                     hold_s=hold_s,
                     hold_bytes=len(body),
                 )
-            except HoldRefused as exc:
-                return self.not_held(exc.reason)
+            except HoldRefused as refused:  # not `exc`: mypyc/mypyc#620 (tests/test_build.py)
+                return self.not_held(refused.reason)
             if backend is None:
                 saturated = pool.saturated(tried)
                 return self.unavailable(Outcome.NO_CAPACITY if saturated else Outcome.NO_BACKEND)
