@@ -3,18 +3,20 @@
 With policy.skip_parse_without_mask_key a body that provably holds no mask key goes out
 unparsed, yet an abort of one rid must still reach the engine serving it alone, so the
 gateway needs that body's top-level `rid`. It is found here by a walk over the body's
-structure alone: from one quote or brace to the next, each found with memchr, skipping
-string contents whole. A 100k-token `input_ids` array holds none of them, so it costs
-three memchr passes over the body, not a parse.
+strings alone, from one quote to the next with memchr, skipping string contents whole: a
+100k-token `input_ids` array holds no quote, so it costs one memchr pass over the body,
+not a parse. A key that names rid (in any spelling: `"r\\u0069d"` is `rid` to SGLang) is
+then placed by counting the braces outside strings on its shorter side: one brace deep
+is a key of the top-level object, whatever arrays it sits in (unless the top level is an
+array, which SGLang refuses).
 
-What it cannot prove cheaply it leaves to a parse (None): a top-level key spelled with an
-escape (`"r\\u0069d"` is `rid` to SGLang), a `rid` value with escapes or of another type
-than a string, null or a list of strings, a second top-level `rid` (SGLang's parser keeps
-the last), more than _MAX_TOKENS structural tokens before the body's last `"rid"` bytes.
-A `"rid"` string anywhere else (a prompt that says it, a nested key, a value) is walked
-past as what it is. The walk assumes the body is JSON; one that is not is refused by
-SGLang itself, so a rid read from it is never served and its owner is forgotten when
-that request ends.
+What it cannot prove cheaply it leaves to a parse (None): a `rid` value with escapes or
+of another type than a string, null or a list of strings; a second top-level `rid`
+(SGLang's parser keeps the last); more than _MAX_TOKENS strings before the rest of the
+body could still hold the key. A `"rid"` string anywhere else (a prompt that says it, a
+nested key, a value) is walked past as what it is. The walk assumes the body is JSON; one
+that is not is refused by SGLang itself, so a rid read from it is never served and its
+owner is forgotten when that request ends.
 
 A body of a few KB is simply parsed (orjson is quicker there than the walk's start).
 The walk is written once, as a generator that asks for each search (a byte or the key
@@ -34,18 +36,11 @@ from gateway.contract import scan
 from gateway.contract.policy import request_ids
 
 RID_KEY: Final = b'"rid"'
-_QUOTE: Final = 0x22
 _BACKSLASH: Final = 0x5C
 _COLON: Final = 0x3A
-_OPEN: Final = 0x7B
-# Strings and objects: a key of an object one brace deep is a key of the top-level object,
-# whatever arrays it sits in, unless the top level is an array, which SGLang refuses.
-# Brackets need not be walked, so an integer array costs three memchr passes, not five.
-_STRUCTURAL: Final = (b'"', b"{", b"}")
-_SLOT: Final = {byte[0]: k for k, byte in enumerate(_STRUCTURAL)}
-# Tokens walked before the rest of the body is only searched for the key: an RL body
-# (input_ids, sampling_params, a few flags) is about a dozen; a chat body with a long
-# message list is not walked to its end.
+# Searches before the rest of the body is only searched for the key (and brace counts for
+# a rid key given up): an RL body (input_ids, sampling_params, a few flags) takes about
+# twenty; a chat body with a long message list is not walked to its end.
 _MAX_TOKENS: Final = 512
 # The longest `rid` value read here (a batch's list of ids); a longer one is parsed. One
 # regex match over it is one step on the loop (gateway/contract/scan.py, CLASS_SLICE).
@@ -64,8 +59,9 @@ _VALUE: Final = re.compile(
 )
 _ITEM: Final = re.compile(rb'"([^"\\]*)"')
 
-# A search the walk asks for: (needle, from where); it is told where the needle starts, or -1.
-_Search = tuple[bytes, int]
+# A search the walk asks for: (needle, start, end); it is told where the needle first starts
+# in body[start:end], or -1. A needle of more than one byte is only ever searched to the end.
+_Search = tuple[bytes, int, int]
 _Walk = Generator[_Search, int, list[str] | None]
 
 
@@ -76,9 +72,9 @@ def top_level_rids(body: bytes) -> list[str] | None:
         return _parsed(body)
     walk = _walk(body)
     try:
-        needle, start = next(walk)
+        needle, start, end = next(walk)
         while True:
-            needle, start = walk.send(body.find(needle, start))
+            needle, start, end = walk.send(body.find(needle, start, end))
     except StopIteration as done:
         rids: list[str] | None = done.value
         return rids
@@ -90,13 +86,13 @@ async def top_level_rids_sliced(body: bytes) -> list[str] | None:
         return _parsed(body)
     walk = _walk(body)
     try:
-        needle, start = next(walk)
+        needle, start, end = next(walk)
         while True:
             if len(needle) == 1:
-                at = await scan.find(body, needle, start)
-            else:
+                at = await scan.find(body, needle, start, end)
+            else:  # found or not is all the walk asks of it
                 at = start if await scan.contains(body, needle, start) else -1
-            needle, start = walk.send(at)
+            needle, start, end = walk.send(at)
     except StopIteration as done:
         rids: list[str] | None = done.value
         return rids
@@ -116,69 +112,64 @@ def _parsed(body: bytes) -> list[str]:
 
 def _walk(body: bytes) -> _Walk:
     n = len(body)
-    # Where each structural byte next occurs at or after the walk (n: nowhere).
-    nxt = [n] * len(_STRUCTURAL)
-    for k, byte in enumerate(_STRUCTURAL):
-        at = yield (byte, 0)
-        nxt[k] = at if at >= 0 else n
-    depth = 0
-    rids: list[str] | None = None  # None: no top-level rid met yet
-    budget = [_MAX_TOKENS]  # searches left, shared with _string_end
-    while budget[0] > 0:
-        budget[0] -= 1
-        i = min(nxt)
-        if i >= n:
-            return rids or []
-        c = body[i]
-        if c != _QUOTE:
-            depth += 1 if c == _OPEN else -1
-            k = _SLOT[c]
-            at = yield (_STRUCTURAL[k], i + 1)
-            nxt[k] = at if at >= 0 else n
-            continue
-        end = yield from _string_end(body, i, budget)
+    budget = [_MAX_TOKENS]
+    # Every string walked, as its opening and closing quotes (flat, in order), and where
+    # in that list each key that names rid opens.
+    spans: list[int] = []
+    rid_keys: list[int] = []
+    walked = n  # all strings before this are in spans
+    at = yield (b'"', 0, n)
+    while at >= 0:
+        end = yield from _string_end(body, at, budget)
         if end == _UNTERMINATED:
-            return rids or []  # not JSON: refused by SGLang
+            return []  # not JSON: refused by SGLang
         if end == _OUT_OF_STEPS:
-            break  # the search for the key below starts at this string
-        past = end + 1
-        if depth == 1 and _is_key(body, past):
-            # A key of the top-level object.
-            if end - i == 4 and body.startswith(b"rid", i + 1):
-                if rids is not None:
-                    return None  # a second one: SGLang's parser keeps the last; parse
-                m = _VALUE.match(body, past, min(n, past + _VALUE_WINDOW))
-                if m is None:
-                    return None  # escapes, another type, or too long to read here
-                rids = _values(m)
-                if rids is None:
-                    return None
-                past = m.end()
-            elif body.find(b"\\", i + 1, end) >= 0:
-                return None  # an escaped key may spell rid
-        for k, byte in enumerate(_STRUCTURAL):
-            if nxt[k] < past:
-                at = yield (byte, past)
-                nxt[k] = at if at >= 0 else n
-    # Too many tokens to walk: the rest of the body is only searched for the key.
-    at = yield (RID_KEY, min(nxt))
-    return None if at >= 0 else rids or []
+            # Not walked to its end: the rest may not hold the key in any spelling, literal
+            # or through a \u escape (the only escape that makes a letter).
+            walked = at
+            if (yield (RID_KEY, at, n)) >= 0 or (yield (b"\\u", at, n)) >= 0:
+                return None
+            break
+        if _names_rid(body, at, end) and _is_key(body, end + 1):
+            rid_keys.append(len(spans))
+        spans += (at, end)
+        budget[0] -= 1
+        at = yield (b'"', end + 1, n)
+    found = None
+    budget[0] = _MAX_TOKENS
+    for k in rid_keys:
+        top = yield from _top_level(body, spans, k, walked, budget)
+        if top is None:
+            return None  # too many braces to count
+        if top:
+            if found is not None:
+                return None  # a second one: SGLang's parser keeps the last; parse
+            found = k
+    if found is None:
+        return []
+    past = spans[found + 1] + 1
+    m = _VALUE.match(body, past, min(n, past + _VALUE_WINDOW))
+    if m is None:
+        return None  # escapes, another type, or too long to read here
+    return _values(m)
 
 
 _UNTERMINATED: Final = -1
 _OUT_OF_STEPS: Final = -2
+# The longest key that can spell rid with escapes: three \uXXXX and its quotes.
+_LONGEST_RID: Final = 3 * 6 + 2
 
 
 def _string_end(body: bytes, start: int, budget: list[int]) -> Generator[_Search, int, int]:
     """Where the string opened by the quote at `start` closes: at the first quote after it
     that no escaping backslash precedes (_UNTERMINATED: none; _OUT_OF_STEPS: the walk's
-    budget ran out on its escaped quotes)."""
+    budget ran out)."""
     at = start
     while True:
         if budget[0] <= 0:
             return _OUT_OF_STEPS
         budget[0] -= 1
-        at = yield (b'"', at + 1)
+        at = yield (b'"', at + 1, len(body))
         if at < 0:
             return _UNTERMINATED
         k = at - 1
@@ -186,6 +177,51 @@ def _string_end(body: bytes, start: int, budget: list[int]) -> Generator[_Search
             k -= 1
         if (at - 1 - k) % 2 == 0:
             return at
+
+
+def _names_rid(body: bytes, start: int, end: int) -> bool:
+    """The string between the quotes at `start` and `end` is `rid`, in any spelling."""
+    if end - start == 4:
+        return body.startswith(b"rid", start + 1)
+    if end - start > _LONGEST_RID or body.find(b"\\", start + 1, end) < 0:
+        return False
+    try:
+        return bool(orjson.loads(body[start : end + 1]) == "rid")
+    except orjson.JSONDecodeError:
+        return False
+
+
+def _top_level(
+    body: bytes, spans: list[int], k: int, walked: int, budget: list[int]
+) -> Generator[_Search, int, bool | None]:
+    """Whether the key whose quotes are spans[k], spans[k + 1] is one brace deep: the braces
+    outside strings before it open one more than they close, or (when every string after it
+    is known) those after it close one more than they open. Counted on the side with fewer
+    strings between the gaps; None when the budget ran out."""
+    before = k // 2
+    after = (len(spans) - k) // 2 - 1
+    if walked == len(body) and after < before:
+        starts = [spans[k + 1] + 1, *(e + 1 for e in spans[k + 3 :: 2])]
+        stops = [*spans[k + 2 :: 2], len(body)]
+        want = -1
+    else:
+        starts = [0, *(e + 1 for e in spans[1:k:2])]
+        stops = [*spans[0:k:2], spans[k]]
+        want = 1
+    balance = 0
+    for lo, hi in zip(starts, stops, strict=True):
+        for brace, step in ((b"{", 1), (b"}", -1)):
+            at = lo
+            while True:
+                if budget[0] <= 0:
+                    return None
+                budget[0] -= 1
+                at = yield (brace, at, hi)
+                if at < 0:
+                    break
+                balance += step
+                at += 1
+    return balance == want
 
 
 def _is_key(body: bytes, past: int) -> bool:
