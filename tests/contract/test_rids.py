@@ -89,6 +89,7 @@ def test_the_walk_reads_the_top_level_rid(body: bytes, rids: list[str] | None) -
         # Past the walk's budget, with the key in the rest.
         b'{"texts": [' + b", ".join([b'"t"'] * 600) + b'], "rid": "late", "x": ' + IDS + b"}",
         b'{"text": "' + b'\\"' * 600 + b'", "rid": "late", "x": ' + IDS + b"}",
+        b'{"texts": [' + b", ".join([b'"t"'] * 600) + b'], "r\\u0069d": "late", "x": ' + IDS + b"}",
     ],
 )
 def test_what_the_walk_cannot_vouch_for_is_left_to_a_parse(body: bytes) -> None:

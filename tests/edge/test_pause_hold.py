@@ -232,7 +232,10 @@ async def test_held_generations_whose_engines_fail_are_answered_at_once(
     engines = stubs[:2]
     gw = await make_gateway(
         *(s.url for s in engines),
-        backends={"health": {"interval_s": 0.05, "timeout_s": 0.2, "unhealthy_threshold": 1}},
+        backends={
+            "health": {"interval_s": 0.05, "timeout_s": 0.2, "unhealthy_threshold": 1},
+            "pause_hold_s": 5,  # longer than it takes the probes to fail
+        },
     )
     await _control(gw, "/pause_generation", b'{"mode": "abort"}')
     async with aiohttp.ClientSession() as s:
