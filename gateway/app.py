@@ -130,6 +130,7 @@ def proxy_settings(cfg: GatewayConfig) -> ProxySettings:
             max_bytes_per_engine=cfg.engine_metrics.max_bytes_per_engine,
             max_total_bytes=cfg.engine_metrics.max_total_bytes,
         ),
+        pause_hold=control.timeout_s if b.pause_hold_s is None else b.pause_hold_s,
     )
 
 

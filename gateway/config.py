@@ -248,6 +248,10 @@ class BackendsConfig(_Model):
     # Requests in flight per backend; more wait up to queue_timeout_s for a slot, then 503.
     max_inflight_per_backend: Annotated[int, Field(ge=1, le=1_000_000)] = 1024
     queue_timeout_s: Annotated[float, Field(ge=0, le=3600)] = 5.0
+    # A generation that only paused or asleep engines could serve waits this long for a
+    # continue or resume, as a paused SGLang engine queues it (then 503); 0: never held.
+    # None: control.timeout_s, the time one weight update through the gateway may take.
+    pause_hold_s: Annotated[float, Field(ge=0, le=86400)] | None = None
     health: HealthConfig = HealthConfig()
     passive: PassiveConfig = PassiveConfig()
 

@@ -28,6 +28,7 @@ from gateway.contract.policy import (
     Rejection,
     request_ids,
 )
+from gateway.contract.rids import top_level_rids
 from gateway.contract.routes import Kind
 from gateway.contract.skim import Skimmed
 
@@ -203,16 +204,23 @@ def inspect_body(
     unparsed: no mask can be requested by it, and SGLang (same parser) refuses it itself if
     it is malformed. This trades the gateway's own 400 for malformed or mistyped bodies
     (rules 1 and 5 of the contract) for not building a Python object tree of a large body.
-    `rids`, when given, receives the body's request ids (policy.request_ids), and
-    `adapters` the LoRA adapters it names (contract/adapters.py); a body that spells
-    `lora_path` is parsed for them even with `skip_parse_without_key`.
+    `rids`, when given, receives the body's request ids (policy.request_ids); a skipped
+    body's are read by a walk of its structure (gateway/contract/rids.py), and one whose
+    rid that walk cannot vouch for is parsed and judged after all. `adapters` receives the
+    LoRA adapters it names (contract/adapters.py); a body that spells `lora_path` is parsed
+    for them even with `skip_parse_without_key`.
     """
     if (
         skip_parse_without_key
         and not may_hold_mask_key(body)
         and (adapters is None or LORA_KEY not in body)
     ):
-        return None
+        if rids is None:
+            return None
+        found = top_level_rids(body)
+        if found is not None:
+            rids += found
+            return None
     parsed = parse_object(body, kind)
     if isinstance(parsed, Rejection):
         return parsed

@@ -76,6 +76,7 @@ class Outcome(enum.StrEnum):
     METHOD_NOT_ALLOWED = "method_not_allowed"
     NO_BACKEND = "no_backend"
     NO_CAPACITY = "no_capacity"
+    PAUSED = "paused"  # only paused or asleep engines could serve it, and it was not held on
     GATEWAY_OVERLOADED = "gateway_overloaded"
     UPSTREAM_ERROR = "upstream_error"
     UPSTREAM_TIMEOUT = "upstream_timeout"

@@ -116,10 +116,10 @@ async def count(body: bytes, byte: bytes, start: int = 0, end: int | None = None
     return total
 
 
-async def contains(body: bytes, needle: bytes) -> bool:
-    """`needle in body`."""
+async def contains(body: bytes, needle: bytes, start: int = 0) -> bool:
+    """`needle in body[start:]`."""
     step = max(SUBSTRING_SLICE, 2 * len(needle))
-    at = 0
+    at = start
     while True:
         upto = min(at + step, len(body))
         if body.find(needle, at, upto) >= 0:

@@ -113,5 +113,10 @@ def unavailable_message(names: Iterable[str]) -> str:
     )
 
 
+def holders(names: Iterable[str]) -> str:
+    """The engines a request naming these adapters is for, in a refusal's words."""
+    return f"(one that holds the LoRA adapters {_names(sorted(names))})"
+
+
 def _names(names: list[str]) -> str:
     return ", ".join(repr(n) for n in names)

@@ -27,6 +27,7 @@ from gateway.contract.policy import (
     Rejection,
     request_ids,
 )
+from gateway.contract.rids import top_level_rids_sliced
 from gateway.contract.routes import Kind
 from gateway.contract.skim import skim
 from gateway.edge.budget import InspectionBudget, TooCostly, parse_cost_sliced
@@ -53,7 +54,12 @@ async def inspect_large(
         and not await may_hold_mask_key_sliced(body)
         and (adapters is None or not await scan.contains(body, LORA_KEY))
     ):
-        return None
+        if rids is None:
+            return None
+        found = await top_level_rids_sliced(body)
+        if found is not None:
+            rids += found
+            return None
     # orjson's own verdict is needed on bodies it may refuse (see ORJSON_SENSITIVE). A route
     # that reads no shape-only field (chat, completions) has nothing to skim: walking a
     # 1 MB chat body's strings cost ten times its parse.

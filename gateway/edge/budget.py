@@ -70,6 +70,12 @@ class InspectionBudget:
             return True
         return False
 
+    def try_hold(self, size: int) -> bool:
+        """Take `size` for a body held while its engines are paused (gateway/fleet/pool.py),
+        if it fits now: what accumulates during a long pause shares the bound inspections
+        have. Never waits, never raises: a body larger than the whole budget is not held."""
+        return size <= self.limit and self.try_acquire(size)
+
     async def acquire(self, cost: int, wait_s: float) -> bool:
         """Take `cost`, waiting up to `wait_s` for it; False when the wait ran out."""
         if self.try_acquire(cost):

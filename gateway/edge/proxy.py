@@ -33,7 +33,7 @@ from gateway.contract.prompt import prompt_start
 from gateway.contract.replies import Outcome
 from gateway.contract.routes import Family, Kind, Route, RouteTable, canonical_path
 from gateway.contract.skim import SKIM_MIN_BODY
-from gateway.edge.adapters import AdapterCatalog, unavailable_message
+from gateway.edge.adapters import AdapterCatalog, holders, unavailable_message
 from gateway.edge.admission import inspect_large
 from gateway.edge.auth import ApiKeys
 from gateway.edge.budget import InspectionBudget, parse_cost
@@ -59,7 +59,7 @@ from gateway.edge.upstream import (
 )
 from gateway.fleet.capability import Admission, Needs, only_disaggregated
 from gateway.fleet.membership import Fleet
-from gateway.fleet.pool import Backend, Prompt
+from gateway.fleet.pool import HOLD_EXPIRED, HOLD_MEMORY, HOLDS_FULL, Backend, HoldRefused, Prompt
 from gateway.ops.observe import USER_AGENT_MAX, Exchange, Observer
 from gateway.ops.redact import describe
 
@@ -119,6 +119,7 @@ class ProxySettings:
     control_forwarding: ForwardedHeaders  # never passes the caller's Authorization on
     control_timeout: float
     engine_metrics: EngineMetricsLimits  # GET /engine_metrics and /metrics: bounds per read
+    pause_hold: float = 0.0  # backends.pause_hold_s in force: how long a paused fleet holds one
 
 
 class Proxy:
@@ -140,6 +141,7 @@ class Proxy:
         self._ids = _RequestIds()
         self.inflight = 0
         self.budget = InspectionBudget(settings.max_inspecting)
+        self.pool.hold_memory = self.budget  # bodies held for a paused fleet take from it too
         self.control = FleetControl(upstream, fleet)
         self.owners = self.control.owners  # where the forward path records whom a rid went to
         self.adapters = AdapterCatalog(self.control.fanout, fleet.pool)
@@ -247,6 +249,12 @@ class Call:
     def raw_path(self) -> str:
         """The request target as sent: path and query."""
         return self.request.raw_path
+
+    @property
+    def inspected(self) -> bool:
+        """A generation route, whose body the gateway reads."""
+        route = self.route
+        return route is not None and route.inspected
 
     @property
     def family(self) -> Family:
@@ -462,10 +470,22 @@ class Call:
         key = request.headers.get(settings.hash_header) if settings.hash_header else None
         prompt = self.prompt(body) if pool.prefix is not None else None
         tried: list[Backend] = []
+        # A generation waits for a paused fleet as a paused engine queues it; other routes
+        # (model info, health) only as long as for a free slot.
+        hold_s = settings.pause_hold if self.inspected else settings.queue_timeout
         while len(tried) < settings.attempts:
-            backend = await pool.acquire(
-                tried, key, settings.queue_timeout, fits=needs, prompt=prompt
-            )
+            try:
+                backend = await pool.acquire(
+                    tried,
+                    key,
+                    settings.queue_timeout,
+                    fits=needs,
+                    prompt=prompt,
+                    hold_s=hold_s,
+                    hold_bytes=len(body),
+                )
+            except HoldRefused as refused:  # not `exc`: mypyc/mypyc#620 (tests/test_build.py)
+                return self.not_held(refused.reason, needs)
             if backend is None:
                 return self.no_backend(tried, needs)
             tried.append(backend)
@@ -647,6 +667,35 @@ class Call:
         else:
             message = "No healthy backend is available; retry later."
         resp = self.reply(status, replies.render(self.family, status, message), outcome)
+        resp.headers.append(("Retry-After", "1"))
+        return resp
+
+    def not_held(self, reason: str, needs: Needs | None = None) -> Reply:
+        """503 for a request only paused or asleep engines could serve, that was not held
+        for them or whose hold ran out (gateway/fleet/pool.py), naming the setting."""
+        settings = self.settings
+        # Generations are held for pause_hold_s, other routes as long as for a free slot.
+        hold, setting = settings.pause_hold, "backends.pause_hold_s"
+        if not self.inspected:
+            hold, setting = settings.queue_timeout, "backends.queue_timeout_s"
+        if reason == HOLD_EXPIRED:
+            why = f"stayed paused or asleep for {setting} ({hold:g} s)"
+        elif reason == HOLDS_FULL:
+            why = (
+                "is paused, and the requests already held for it fill the slots it will have "
+                "(backends.max_inflight_per_backend each)"
+            )
+        elif reason == HOLD_MEMORY:
+            why = (
+                "is paused, and the requests held for it take all the memory "
+                "limits.max_inspecting_bytes allows"
+            )
+        else:
+            why = f"is paused or asleep, and {setting} is 0: requests are not held"
+        which = f" {holders(needs.adapters)}" if needs is not None and needs.adapters else ""
+        message = f"Every backend that could serve this request{which} {why}; retry later."
+        self.exchange.detail = reason
+        resp = self.reply(503, replies.render(self.family, 503, message), Outcome.PAUSED)
         resp.headers.append(("Retry-After", "1"))
         return resp
 

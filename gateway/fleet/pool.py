@@ -5,6 +5,10 @@ and the membership, which discovery replaces with immutable snapshots; the engin
 Backend carries (paused, asleep, weight version) is written by gateway/fleet/engines.py.
 Balancers only choose among the candidates it offers. No I/O here: the prober and the
 proxy report outcomes in, the pool decides.
+
+A request that only paused or asleep engines could serve is held here, as a paused SGLang
+engine queues it, until one of them continues or resumes (or its hold runs out); held
+requests are handed their engines in arrival order.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Protocol
 
 from gateway.contract.profiles import DEFAULT_CAP, Family, MaskProfile, ServerInfo, profile_of
 from gateway.fleet.balancers import Balancer
@@ -128,6 +132,56 @@ Fit = Callable[["Backend"], bool]
 # A request body and the offset its prompt starts at (gateway/contract/prompt.py).
 Prompt = tuple[bytes, int]
 
+# Why a request that only paused or asleep engines could serve was not served: its hold ran
+# out, holding is off (a hold of 0 s), every slot those engines will have is promised to a
+# request held before it, or the memory its body takes was not to be had.
+HOLD_EXPIRED: Final = "hold_expired"
+NOT_HELD: Final = "not_held"
+HOLDS_FULL: Final = "holds_full"
+HOLD_MEMORY: Final = "hold_memory"
+# What became of holds, for the metrics: taken, ended with an engine (or with the fleet no
+# longer paused), ran out, left by their client, refused.
+HOLD_EVENTS: Final = ("held", "released", "expired", "abandoned", "refused")
+
+
+class HoldRefused(Exception):
+    """A request that only paused or asleep engines could serve was not held, or its hold ran
+    out: `reason` is one of HOLD_EXPIRED, NOT_HELD, HOLDS_FULL, HOLD_MEMORY."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class HoldMemory(Protocol):
+    """The memory a held request's body takes while it waits (the proxy's inspection budget,
+    gateway/edge/budget.py): what accumulates during a long pause stays bounded."""
+
+    def try_hold(self, size: int) -> bool: ...
+
+    def release(self, cost: int) -> None: ...
+
+
+class _Hold:
+    """One held request: what it needs of a backend, and the future its engine is handed to
+    (None: the fleet is no longer paused for it; it looks again)."""
+
+    __slots__ = ("exclude", "fits", "future", "key", "prompt")
+
+    def __init__(
+        self,
+        exclude: Sequence[Backend],
+        key: str | None,
+        fits: Fit | None,
+        future: asyncio.Future[Backend | None],
+        prompt: Prompt | None,
+    ) -> None:
+        self.exclude = exclude
+        self.key = key
+        self.fits = fits
+        self.future = future
+        self.prompt = prompt
+
 
 @dataclass(frozen=True, slots=True)
 class EjectionRules:
@@ -173,6 +227,13 @@ class BackendPool:
         self._policy = policy
         self._clock = clock
         self._slot_waiters: deque[asyncio.Future[None]] = deque()
+        # Requests held for paused or asleep engines, in arrival order. Entries whose request
+        # went away stay until the next hand-out or compaction; `holding` counts the live ones.
+        self._holds: deque[_Hold] = deque()
+        self.holding = 0
+        self._hold_dead = 0
+        self.hold_counts = dict.fromkeys(HOLD_EVENTS, 0)
+        self.hold_memory: HoldMemory | None = None  # set by the proxy that owns the budget
         # The newest weight version in the fleet (routing: latest): the one most recently
         # installed through the gateway or first seen on an engine, written by
         # gateway/fleet/engines.py.
@@ -202,6 +263,8 @@ class BackendPool:
         self._balancer.set_members(wanted)
         if added or removed:
             self._reprofile()
+        if added:
+            self._serve_holds()  # a new engine may take what is held
         if added or removed:
             log.info(
                 "membership: %d backends (+%d -%d)%s%s",
@@ -268,21 +331,14 @@ class BackendPool:
         nor asleep, and a plain worker. The one rule pick, saturation and the metrics read."""
         return self.available(b, now) and not b.paused and not b.asleep and b.plain
 
-    def held(self, exclude: Sequence[Backend] = ()) -> bool:
-        """Some working backend is paused or asleep: it will take traffic again once
-        continued or resumed, so a request may wait for it."""
-        now = self._clock()
-        return any(
-            (b.paused or b.asleep) and b.plain and self.available(b, now) and b not in exclude
-            for b in self.backends
-        )
-
     def wake_waiters(self) -> None:
-        """Capacity came back (a backend continued or resumed): let every waiter look."""
+        """Capacity came back (a backend continued or resumed): let every waiter look, and
+        hand the held requests their engines."""
         waiters, self._slot_waiters = self._slot_waiters, deque()
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)
+        self._serve_holds()
 
     def now(self) -> float:
         return self._clock()
@@ -332,30 +388,65 @@ class BackendPool:
         *,
         fits: Fit | None = None,
         prompt: Prompt | None = None,
+        hold_s: float = 0.0,
+        hold_bytes: int = 0,
     ) -> Backend | None:
         """Take a slot on a backend for the next attempt: picked and counted in flight.
 
         If every routable backend is at its concurrency cap, wait up to `wait_s` for a slot
-        rather than overload one or fail at once; None when there is none to have.
+        rather than overload one or fail at once; None when there is none to have. If only
+        paused or asleep engines could serve it, hold it up to `hold_s` for them (its body,
+        `hold_bytes`, charged to hold_memory meanwhile): HoldRefused when it is not held or
+        its hold runs out.
         """
         backend = self.pick(exclude, key, fits=fits, prompt=prompt)
-        if backend is None and wait_s > 0 and (self.saturated(exclude) or self.held(exclude)):
-            backend = await self._wait_for_slot(exclude, key, wait_s, fits, prompt)
-        if backend is not None:
-            backend.inflight += 1
+        if backend is None:
+            return await self._wait(
+                exclude, key, fits, wait_s, hold=(hold_s, hold_bytes), prompt=prompt
+            )
+        backend.inflight += 1
         return backend
 
-    async def _wait_for_slot(
+    async def _wait(
         self,
         exclude: Sequence[Backend],
         key: str | None,
-        wait_s: float,
         fits: Fit | None,
+        wait_s: float,
+        *,
+        hold: tuple[float, int],
         prompt: Prompt | None = None,
     ) -> Backend | None:
+        """The slow path of acquire: a held request, or one waiting for a free slot, until
+        it has a backend (counted in flight) or none is to come."""
+        hold_s, hold_bytes = hold
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_s
-        while (remaining := deadline - loop.time()) > 0:
+        slot_deadline: float | None = None
+        hold_deadline: float | None = None
+        while True:
+            engines = self._paused_for(exclude, fits)
+            if engines:
+                if hold_deadline is None:
+                    hold_deadline = self._start_hold(engines, hold_s, hold_bytes)
+                    try:
+                        backend = await self._hold(exclude, key, fits, hold_deadline, prompt)
+                    finally:
+                        if hold_bytes and self.hold_memory is not None:
+                            self.hold_memory.release(hold_bytes)
+                else:
+                    # Paused again after its hold ended (a continue, then a pause before
+                    # it looked): the rest of its hold, its body no longer charged.
+                    self.hold_counts["held"] += 1
+                    backend = await self._hold(exclude, key, fits, hold_deadline, prompt)
+                if backend is not None:
+                    return backend
+                continue  # no longer held: busy engines, or none at all
+            if wait_s <= 0 or not self.saturated(exclude):
+                return None
+            if slot_deadline is None:
+                slot_deadline = loop.time() + wait_s
+            if (remaining := slot_deadline - loop.time()) <= 0:
+                return None
             waiter: asyncio.Future[None] = loop.create_future()
             self._slot_waiters.append(waiter)
             try:
@@ -367,9 +458,119 @@ class BackendPool:
                 if not waiter.done():
                     waiter.cancel()
             backend = self.pick(exclude, key, fits=fits, prompt=prompt)
-            if backend is not None or not (self.saturated(exclude) or self.held(exclude)):
+            if backend is not None:
+                backend.inflight += 1
                 return backend
-        return None
+
+    # -- holds for a paused fleet ----------------------------------------------------------
+
+    def _paused_for(self, exclude: Sequence[Backend], fits: Fit | None) -> int:
+        """How many working engines that are paused or asleep could serve the request, when
+        no routable one could (busy or not); else 0: it is not for a hold."""
+        now = self._clock()
+        paused = 0
+        for b in self.backends:
+            if b in exclude or not self.available(b, now) or (fits is not None and not fits(b)):
+                continue
+            if not (b.paused or b.asleep):
+                return 0  # a routable engine serves it: a wait for a slot, if any
+            paused += 1
+        return paused
+
+    def _start_hold(self, engines: int, hold_s: float, hold_bytes: int) -> float:
+        """Admit a request to the holds, or refuse it (HoldRefused); its hold's deadline."""
+        counts = self.hold_counts
+        reason = None
+        cap = self._policy.max_inflight
+        if hold_s <= 0:
+            reason = NOT_HELD
+        elif cap is not None and self.holding >= cap * engines:
+            # Each held request takes a slot the engines will have when they continue: more
+            # than those would only wait for a slot after the continue, then fail.
+            reason = HOLDS_FULL
+        elif (
+            hold_bytes
+            and self.hold_memory is not None
+            and not self.hold_memory.try_hold(hold_bytes)
+        ):
+            reason = HOLD_MEMORY
+        if reason is not None:
+            counts["refused"] += 1
+            raise HoldRefused(reason)
+        counts["held"] += 1
+        return asyncio.get_running_loop().time() + hold_s
+
+    async def _hold(
+        self,
+        exclude: Sequence[Backend],
+        key: str | None,
+        fits: Fit | None,
+        deadline: float,
+        prompt: Prompt | None = None,
+    ) -> Backend | None:
+        """Wait in the holds until handed an engine (counted in flight), or None once the
+        fleet is no longer paused for the request; HoldRefused when `deadline` passes."""
+        loop = asyncio.get_running_loop()
+        counts = self.hold_counts
+        future: asyncio.Future[Backend | None] = loop.create_future()
+        self._holds.append(_Hold(exclude, key, fits, future, prompt))
+        self.holding += 1
+        try:
+            async with asyncio.timeout(deadline - loop.time()):
+                backend = await future
+        except BaseException as exc:
+            answered = future.done() and not future.cancelled()
+            granted = future.result() if answered else None
+            if answered:
+                self.holding -= 1  # answered (and taken off the queue) just as it ended
+            else:
+                future.cancel()  # the wait's cancellation has cancelled it already, as a rule
+                self._left_hold()
+            if isinstance(exc, TimeoutError):
+                if granted is not None:
+                    counts["released"] += 1
+                    return granted
+                counts["expired"] += 1
+                raise HoldRefused(HOLD_EXPIRED) from None
+            if granted is not None:
+                self.release(granted)  # its client left before it could use the engine
+            counts["abandoned"] += 1
+            raise
+        self.holding -= 1
+        counts["released"] += 1
+        return backend
+
+    def _left_hold(self) -> None:
+        """A held request went away: its entry is dropped lazily, the queue compacted once
+        most of it is dead (so clients that leave during a long pause cost no scan each)."""
+        self.holding -= 1
+        self._hold_dead += 1
+        if self._hold_dead > 64 and self._hold_dead * 2 > len(self._holds):
+            self._holds = deque(h for h in self._holds if not h.future.done())
+            self._hold_dead = 0
+
+    def _serve_holds(self) -> None:
+        """Hand the held requests the engines that can take them now, in arrival order; those
+        no longer held for a paused engine are let go to look again. Runs when engines
+        continue, resume, join or change health: rare events, so a walk of the queue."""
+        holds = self._holds
+        if not holds:
+            return
+        kept: deque[_Hold] = deque()
+        for h in holds:
+            future = h.future
+            if future.done():
+                continue
+            backend = self.pick(h.exclude, h.key, fits=h.fits, prompt=h.prompt)
+            if backend is not None:
+                backend.inflight += 1  # now, so the next one's pick sees it
+                future.set_result(backend)
+            elif self._paused_for(h.exclude, h.fits):
+                kept.append(h)
+            else:
+                future.set_result(None)
+        self._holds = kept
+        self._hold_dead = 0
 
     def release(self, backend: Backend) -> None:
         """The attempt on `backend` ended: free its slot and wake one waiter."""
@@ -411,6 +612,8 @@ class BackendPool:
             level = logging.WARNING if health is Health.UNHEALTHY else logging.INFO
             log.log(level, "backend %s: %s -> %s (%s)", b.url, b.health.value, health.value, why)
             b.health = health
+            if self._holds:
+                self._serve_holds()  # an engine held requests wait for came or went
 
     def probe_ok(self, b: Backend) -> None:
         b.recovered = True

@@ -39,7 +39,7 @@ from gateway.contract.policy import SAMPLING_MASK
 from gateway.contract.replies import Outcome
 from gateway.contract.routes import CONTROL_ROUTES
 from gateway.fleet.cache_aware import DECISIONS, RouteStats
-from gateway.fleet.pool import BackendPool, Health
+from gateway.fleet.pool import HOLD_EVENTS, BackendPool, Health
 from gateway.ops import logs
 from gateway.ops.observe import Exchange
 
@@ -511,6 +511,7 @@ class Metrics(Collector):
         yield GaugeMetricFamily(
             PREFIX + "inflight_requests", "Requests being handled.", value=float(self._inflight())
         )
+        yield from _hold_families(self._pool)
 
     def finish(self, ex: Exchange) -> None:
         route = (ex.route,)
@@ -557,6 +558,28 @@ _SHARED_ERRORS: Final = (
     ("write", "unwritable"),
     ("ack", "unwritable"),
 )
+
+
+def _hold_families(pool: BackendPool) -> Iterator[Metric]:
+    """The requests held for paused or asleep engines (backends.pause_hold_s)."""
+    yield GaugeMetricFamily(
+        PREFIX + "held_requests",
+        "Requests held because only paused or asleep engines could serve them, waiting for "
+        "a continue or resume.",
+        value=float(pool.holding),
+    )
+    holds = CounterMetricFamily(
+        PREFIX + "request_holds",
+        "Holds of requests for paused or asleep engines, by event: held (a hold began), "
+        "released (it ended with an engine, or with the fleet no longer paused for it), "
+        "expired (backends.pause_hold_s ran out: 503), abandoned (its client left while "
+        "held; nothing was sent upstream), refused (not held: a hold of 0 s, every slot the "
+        "paused engines will have already promised, or no memory for its body: 503).",
+        labels=["event"],
+    )
+    for event in HOLD_EVENTS:
+        holds.add_metric([event], float(pool.hold_counts[event]))
+    yield holds
 
 
 class _DiscoveryStats(Protocol):

@@ -247,7 +247,7 @@ async def test_an_abort_of_a_known_rid_goes_to_its_owner_only(
 async def test_paused_engines_get_no_new_requests_and_weight_versions_are_tracked(
     stubs: list[StubBackend], make_gateway: GatewayFactory
 ) -> None:
-    gw = await make_gateway(*(s.url for s in stubs[:2]), backends={"queue_timeout_s": 0.3})
+    gw = await make_gateway(*(s.url for s in stubs[:2]), backends={"pause_hold_s": 0.3})
     gen = orjson.dumps({"text": "x", "sampling_params": {"top_k": 2}})
     json_ct = {"Content-Type": "application/json"}
     async with aiohttp.ClientSession() as s:
@@ -255,7 +255,7 @@ async def test_paused_engines_get_no_new_requests_and_weight_versions_are_tracke
             assert r.status == 200
         async with s.get(gw_url(gw, "/workers")) as r:
             assert {w["state"] for w in (await r.json())["workers"]} == {"paused"}
-        # Held up to queue_timeout_s for a routable engine, then 503: nothing reaches them.
+        # Held up to pause_hold_s for a routable engine, then 503: nothing reaches them.
         async with s.post(gw_url(gw, "/generate"), data=gen, headers=json_ct) as r:
             assert r.status == 503 and r.headers["Retry-After"] == "1"
         assert all(b.generation_requests() == [] for b in stubs[:2])

@@ -271,7 +271,9 @@ async def test_unknown_names_are_read_for_at_most_every_interval(
 async def test_a_lora_request_waits_for_a_holder_then_503_naming_it(
     stubs: list[StubBackend], make_gateway: GatewayFactory
 ) -> None:
-    gw = await make_gateway(*[s.url for s in stubs], backends={"queue_timeout_s": 0.3})
+    gw = await make_gateway(
+        *[s.url for s in stubs], backends={"queue_timeout_s": 0.3, "pause_hold_s": 0.3}
+    )
     holder = worker_id(stubs[0].url)
     async with aiohttp.ClientSession() as s:
         assert (await post(s, gw, f"/workers/{holder}/load_lora_adapter", LOAD_A))[0] == 200
@@ -279,7 +281,9 @@ async def test_a_lora_request_waits_for_a_holder_then_503_naming_it(
             0
         ] == 200
         status, body = await post(s, gw, "/generate", gen(lora_path="A"))
-        assert status == 503 and "'A'" in body["error"]["message"]
+        # Held for the paused holder as for any paused engine, then refused naming both.
+        message = body["error"]["message"]
+        assert status == 503 and "'A'" in message and "backends.pause_hold_s" in message
         assert (await post(s, gw, "/generate", gen()))[0] == 200  # the others serve the base
     assert all("lora_path" not in g for g in generations(stubs[1]) + generations(stubs[2]))
 

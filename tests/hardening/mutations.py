@@ -1362,6 +1362,97 @@ MUTATIONS = [
         "        if flag in ():",
         ["tests/test_launch_router.py::test_a_flag_it_cannot_honour_exits_2_listing_what_it_takes"],
     ),
+    # -- issue 21: pause holds and owner routing without a parse ------------------------------
+    (
+        "a paused fleet's generations wait only queue_timeout_s",
+        "gateway/edge/proxy.py",
+        "        hold_s = settings.pause_hold if self.inspected else settings.queue_timeout",
+        "        hold_s = settings.queue_timeout",
+        [
+            "tests/edge/test_pause_hold.py::test_a_generation_sent_during_a_pause_is_held_then_served"
+        ],
+    ),
+    (
+        "a held client that leaves stays counted as held",
+        "gateway/fleet/pool.py",
+        "                self._left_hold()",
+        "                pass",
+        ["tests/edge/test_pause_hold.py::test_a_held_client_that_leaves_is_dropped_at_once"],
+    ),
+    (
+        "held generations handed out newest first",
+        "gateway/fleet/pool.py",
+        "        for h in holds:",
+        "        for h in reversed(holds):",
+        ["tests/edge/test_pause_hold.py::test_held_generations_go_out_in_arrival_order"],
+    ),
+    (
+        "holds not bounded by the paused engines' slots",
+        "gateway/fleet/pool.py",
+        "        elif cap is not None and self.holding >= cap * engines:",
+        "        elif False:",
+        [
+            "tests/edge/test_pause_hold.py::test_holds_are_bounded_by_the_slots_the_paused_engines_will_have"
+        ],
+    ),
+    (
+        "held bodies not charged to the memory bound",
+        "gateway/fleet/pool.py",
+        "            and not self.hold_memory.try_hold(hold_bytes)",
+        "            and False",
+        ["tests/edge/test_pause_hold.py::test_a_held_body_takes_from_the_memory_bound"],
+    ),
+    (
+        "engines that fail while held do not end the hold",
+        "gateway/fleet/pool.py",
+        "                self._serve_holds()  # an engine held requests wait for came or went",
+        "                pass",
+        [
+            "tests/edge/test_pause_hold.py::test_held_generations_whose_engines_fail_are_answered_at_once"
+        ],
+    ),
+    (
+        "unparsed bodies' rids not recorded",
+        "gateway/contract/inspection.py",
+        "        found = top_level_rids(body)",
+        "        found = []",
+        ["tests/edge/test_rid_owners.py"],
+    ),
+    (
+        "unparsed large bodies' rids not recorded",
+        "gateway/edge/admission.py",
+        "        found = await top_level_rids_sliced(body)",
+        "        found = []",
+        ["tests/edge/test_rid_owners.py"],
+    ),
+    (
+        "the rid walk takes a nested rid key for the top-level one",
+        "gateway/contract/rids.py",
+        "    return balance == want",
+        "    return True",
+        ["tests/contract/test_rids.py"],
+    ),
+    (
+        "the rid walk misses an escaped rid key",
+        "gateway/contract/rids.py",
+        '        return bool(orjson.loads(body[start : end + 1]) == "rid")',
+        "        return False",
+        ["tests/contract/test_rids.py"],
+    ),
+    (
+        "the rid walk ends a string at an escaped quote",
+        "gateway/contract/rids.py",
+        "        if (at - 1 - k) % 2 == 0:",
+        "        if True:",
+        ["tests/contract/test_rids.py"],
+    ),
+    (
+        "past its budget the rid walk overlooks an escaped key",
+        "gateway/contract/rids.py",
+        '            if (yield (RID_KEY, at, n)) >= 0 or (yield (b"\\\\u", at, n)) >= 0:',
+        "            if (yield (RID_KEY, at, n)) >= 0:",
+        ["tests/contract/test_rids.py"],
+    ),
 ]
 
 

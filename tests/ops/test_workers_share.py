@@ -83,6 +83,7 @@ async def fleet2(stubs: list[StubBackend], tmp_path: Path) -> AsyncIterator[Flee
         "  discovery: registry\n"
         f"  static: ['{stubs[0].url}']\n"
         "  queue_timeout_s: 0.3\n"
+        "  pause_hold_s: 0.3\n"
         "  health: {interval_s: 0.1}\n"
         "logging: {access_log: false}\n"
     )

@@ -1,0 +1,55 @@
+"""What reading a rid costs on a body forwarded unparsed: `python -m bench.ridscan`.
+
+With policy.skip_parse_without_mask_key a body is scanned for the mask key and, if it has
+none, forwarded without a parse; its rid is then read by gateway/contract/rids.py for the
+abort routing. This times that read on the bench's 100k-id /generate body (627 KB, the
+ids-100k workload's), with no rid, with one before and after the ids, and a batch's list,
+beside the mask-key scan it follows and the orjson parse it spares. Each figure is the
+best of --repeat runs of --number calls (best, not mean: the machine may be shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import timeit
+from collections.abc import Callable
+
+import orjson
+
+from bench import bodies
+from gateway.contract.inspection import may_hold_mask_key
+from gateway.contract.rids import top_level_rids
+
+
+def _best_us(fn: Callable[[], object], number: int, repeat: int) -> float:
+    return min(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--number", type=int, default=200)
+    parser.add_argument("--repeat", type=int, default=7)
+    args = parser.parse_args()
+    plain = bodies.input_ids(random.Random(0), mask=False)
+    obj = orjson.loads(plain)
+    cases = {
+        "no rid": plain,
+        "rid after the ids": orjson.dumps({**obj, "return_logprob": True, "rid": "r-17-3"}),
+        "rid before the ids": orjson.dumps({"rid": "r-17-3", **obj}),
+        "batch of 64 rids": orjson.dumps({**obj, "rid": [f"r-17-{i}" for i in range(64)]}),
+    }
+    print(f"body: /generate, {bodies.INPUT_IDS} input_ids, {len(plain)} bytes")
+    scan = _best_us(lambda: may_hold_mask_key(plain), args.number, args.repeat)
+    print(f"mask-key scan (may_hold_mask_key): {scan:.1f} us")
+    for name, body in cases.items():
+        found = top_level_rids(body)
+        assert found is not None, name  # the walk vouches for these without a parse
+        cost = _best_us(lambda b=body: top_level_rids(b), args.number, args.repeat)  # type: ignore[misc]
+        print(f"rid walk, {name}: {cost:.1f} us ({len(found)} rid)")
+    parse = _best_us(lambda: orjson.loads(plain), max(1, args.number // 10), args.repeat)
+    print(f"orjson parse it spares: {parse:.0f} us")
+
+
+if __name__ == "__main__":
+    main()
