@@ -399,8 +399,14 @@ MUTATIONS = [
     (
         "mask requests routed to any backend, whatever its profile admits",
         "gateway/edge/proxy.py",
-        "                return Needs(None if wanted is None else wanted.version, admission)\n",
-        "                return Needs(None if wanted is None else wanted.version, None)\n",
+        (
+            "                    return Needs(None, admission)\n",
+            "                return Needs(wanted.version, admission, wanted.adapters)\n",
+        ),
+        (
+            "                    return Needs(None, None)\n",
+            "                return Needs(wanted.version, None, wanted.adapters)\n",
+        ),
         ["tests/fleet/test_capability.py"],
     ),
     (
@@ -670,7 +676,7 @@ MUTATIONS = [
     (
         "no warning when a loopback proxy meets loopback trust",
         "gateway/cli.py",
-        "    if args.worker_index is None and (",
+        "    if worker_index is None and (",
         "    if False and (",
         [
             "tests/edge/test_addressed.py::test_a_warning_at_start_when_loopback_is_both_a_proxy_and_trusted"
