@@ -17,11 +17,14 @@ import asyncio
 import base64
 import ssl
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
 import orjson
+
+from gateway.config import EtcdConfig
+from gateway.fleet.kv import Compacted, EtcdError, EtcdUnavailable, Event, KeyValue, range_end
 
 # A watch event or a range answer holds whole values (etcd's default request limit is
 # 1.5 MiB, more once base64-encoded): the stream reader's line limit must fit one.
@@ -32,50 +35,8 @@ _UNAVAILABLE: Final = 14
 _NO_USER: Final = "user name is empty"
 
 
-class EtcdError(Exception):
-    """etcd answered, and refused or failed the call."""
-
-
-class EtcdUnavailable(EtcdError, ConnectionError):
-    """No endpoint answered in time."""
-
-
-class Compacted(EtcdError):
-    """A watch asked for history that compaction removed: relist, then watch anew."""
-
-    def __init__(self, endpoint: str, revision: int) -> None:
-        super().__init__(f"etcd at {endpoint}: history compacted up to revision {revision}")
-        self.revision = revision
-
-
-@dataclass(frozen=True, slots=True)
-class KeyValue:
-    key: bytes
-    value: bytes
-    mod_revision: int
-    create_revision: int
-    lease: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    kv: KeyValue
-    deleted: bool
-
-
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
-
-
-def range_end(prefix: bytes) -> bytes:
-    """The range_end that makes a range or watch cover every key starting with `prefix`."""
-    end = bytearray(prefix)
-    while end:
-        if end[-1] < 0xFF:
-            end[-1] += 1
-            return bytes(end)
-        end.pop()
-    return b"\0"
 
 
 def _kv(raw: dict[str, Any]) -> KeyValue:
@@ -271,6 +232,24 @@ class EtcdClient:
         )
         return _revision(answer) if answer.get("succeeded") else None
 
+    async def delete_if(self, key: bytes, *, mod_revision: int) -> bool:
+        """Delete `key` only if it is still at `mod_revision` (a lock this process holds)."""
+        answer = await self.post(
+            "/v3/kv/txn",
+            {
+                "compare": [
+                    {
+                        "key": b64(key),
+                        "target": "MOD",
+                        "result": "EQUAL",
+                        "mod_revision": str(mod_revision),
+                    }
+                ],
+                "success": [{"request_delete_range": {"key": b64(key)}}],
+            },
+        )
+        return bool(answer.get("succeeded"))
+
     async def compact(self, revision: int) -> None:
         await self.post("/v3/kv/compaction", {"revision": str(revision)})
 
@@ -367,3 +346,17 @@ def _why(exc: BaseException) -> str:
     if isinstance(exc, aiohttp.ClientConnectorError):
         return f"cannot connect ({exc.os_error.strerror or type(exc.os_error).__name__})"
     return type(exc).__name__
+
+
+def client_for(cfg: EtcdConfig) -> EtcdClient:
+    """The client state.etcd describes; reads its password file (OSError if it cannot)."""
+    password = cfg.password.get_secret_value() if cfg.password is not None else None
+    if cfg.password_file is not None:
+        password = Path(cfg.password_file).read_text(encoding="utf-8").strip()
+    return EtcdClient(
+        cfg.endpoints,
+        username=cfg.username,
+        password=password,
+        ca_file=cfg.ca_file,
+        timeout_s=cfg.timeout_s,
+    )

@@ -7,7 +7,8 @@ import logging
 
 import pytest
 
-from gateway.edge.etcd import Compacted, EtcdClient, EtcdError, EtcdUnavailable, range_end
+from gateway.edge.etcd import EtcdClient
+from gateway.fleet.kv import Compacted, EtcdError, EtcdUnavailable, range_end
 from tests.conftest import free_port
 from tests.etcd import EtcdServer, etcd  # noqa: F401 - the fixture
 
