@@ -292,3 +292,48 @@ async def test_a_replica_that_cannot_reach_etcd_refuses_to_start(
     _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 1
     assert f"cannot start: the fleet state store (etcd at {dead}" in err.decode()
+
+
+async def test_workers_of_a_replica_share_through_etcd(
+    etcd: EtcdServer,  # noqa: F811
+    stubs: list[StubBackend],
+    tmp_path: Path,
+) -> None:
+    """--workers 2 on one replica, beside a plain one: each worker is a process of the fleet."""
+    first, second = stubs[0], stubs[1]
+    port, admin = free_port(), free_port()
+    cfg = tmp_path / "workers.yaml"
+    cfg.write_text(
+        config(etcd.url, first.url)
+        .replace("port: 0}\nadmin", f"port: {port}, workers: 2}}\nadmin", 1)
+        .replace("admin: {host: 127.0.0.1, port: 0}", f"admin: {{host: 127.0.0.1, port: {admin}}}")
+    )
+    proc = await spawn(
+        "gateway",
+        "--config",
+        str(cfg),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        async with aiohttp.ClientSession() as s, asyncio.timeout(30):
+            while True:
+                try:
+                    async with s.get(f"http://127.0.0.1:{admin}/readyz") as r:
+                        if r.status == 200 and (await r.json())["reason"] == "2/2 workers ready":
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.1)
+        where = tmp_path / "plain"
+        where.mkdir()
+        async with gateway_process(config(etcd.url, first.url), where) as plain:
+            other = Replica(plain)
+            status, _ = await other.call("POST", "/workers", json={"url": second.url})
+            assert status == 200
+            both = Replica(GatewayProcess(proc, port, admin))
+            for _ in range(12):  # fresh connections: the kernel spreads them over both workers
+                assert await both.urls() == {first.url, second.url}
+    finally:
+        proc.terminate()
+        assert await asyncio.wait_for(proc.wait(), 20) == 0
