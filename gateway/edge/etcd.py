@@ -31,7 +31,7 @@ from gateway.fleet.kv import Compacted, EtcdError, EtcdUnavailable, Event, KeyVa
 _READ_BUFSIZE: Final = 4 << 20
 # etcd's gRPC codes that the JSON gateway puts in its error bodies.
 _UNAUTHENTICATED: Final = 16
-_UNAVAILABLE: Final = 14
+_GOING_AWAY: Final = (1, 14)  # CANCELED, UNAVAILABLE
 _NO_USER: Final = "user name is empty"
 
 
@@ -314,7 +314,9 @@ class EtcdClient:
                         error = answer["error"]
                         error = error if isinstance(error, dict) else {"message": error}
                         text = str(error.get("message") or "no message")[:300]
-                        if error.get("grpc_code") == _UNAVAILABLE:  # the member is stopping
+                        # The member is stopping: its gateway's connection to it closes
+                        # (UNAVAILABLE, or CANCELED "the client connection is closing").
+                        if error.get("grpc_code") in _GOING_AWAY:
                             raise EtcdUnavailable(f"etcd at {endpoint} ended a watch: {text}")
                         raise EtcdError(f"etcd at {endpoint} ended a watch: {text}")
                     result = answer.get("result") or {}
