@@ -27,11 +27,13 @@ from gateway.edge.auth import ApiKeys, read_keys_file
 from gateway.edge.clients import AiohttpClients, make_session
 from gateway.edge.control import ControlAccess
 from gateway.edge.engine_metrics import Limits as EngineMetricsLimits
+from gateway.edge.etcd import client_for
 from gateway.edge.headers import ForwardedHeaders
 from gateway.edge.proxy import Proxy, ProxySettings
 from gateway.edge.server import Listener
 from gateway.edge.upstream import Upstream
 from gateway.fleet.discovery import Resolver, describe_failure
+from gateway.fleet.etcd_state import EtcdState
 from gateway.fleet.membership import Fleet
 from gateway.fleet.pool import BackendPool
 from gateway.fleet.shared import SharedState
@@ -151,6 +153,20 @@ def make_upstream(cfg: GatewayConfig, cls: type[Upstream] = Upstream) -> Upstrea
     )
 
 
+def etcd_state(cfg: GatewayConfig) -> EtcdState | None:
+    """The fleet state shared through etcd, where state.backend says so."""
+    etcd = cfg.state.etcd
+    if cfg.state.backend != "etcd" or etcd is None:
+        return None
+    return EtcdState(
+        client_for(etcd),
+        etcd.prefix,
+        seed=list(cfg.backends.static),
+        lease_ttl_s=etcd.lease_ttl_s,
+        lock_wait_s=etcd.lock_wait_s,
+    )
+
+
 class Gateway:
     def __init__(
         self,
@@ -214,8 +230,8 @@ class Gateway:
         return self.proxy.surfaces.metrics.counts if self.proxy is not None else {}
 
     @property
-    def shared_state(self) -> SharedState | None:
-        """The state shared with the other --workers, if there are any."""
+    def shared_state(self) -> SharedState | EtcdState | None:
+        """The state shared with the other --workers (or replicas), if there are any."""
         return self.fleet.shared
 
     @property
@@ -229,12 +245,20 @@ class Gateway:
         # A failing discovery does not by itself make the gateway unready (the last good
         # set serves), but the reason says why the fleet may be stale or empty.
         failing = describe_failure(self.fleet.discovery)
+        notes = [f"{failing}, last good set served"] if failing else []
+        # Generation is served on the last known state while etcd is away: still ready.
+        if (store := self.fleet.store_problem()) is not None:
+            notes.append(store)
         if not self.fleet.pool.ready:
-            return False, "no healthy backend" + (f"; {failing}" if failing else "")
-        return True, "ok" + (f"; {failing}, last good set served" if failing else "")
+            return False, "; ".join(["no healthy backend", *([failing] if failing else [])])
+        return True, "; ".join(["ok", *notes])
 
-    async def start(self, *, reuse_port: bool = False, shared: SharedState | None = None) -> None:
+    async def start(
+        self, *, reuse_port: bool = False, shared: SharedState | EtcdState | None = None
+    ) -> None:
         cfg = self.cfg
+        if shared is None:
+            shared = etcd_state(cfg)
         # First: without the otel extra this refuses to start before anything is open.
         self.tracer = tracing.build(cfg.tracing)
         install_log_redaction()
@@ -379,7 +403,9 @@ async def serve(
     gateway = Gateway(cfg, config_path=config_path, overrides=overrides)
     worker = worker_index is not None
     async with runtime.Signals(on_hup=gateway.reload) as signals:
-        await gateway.start(reuse_port=worker, shared=SharedState.from_env(worker_index))
+        # Through etcd every process shares with every other, the --workers of one host too.
+        local = SharedState.from_env(worker_index) if cfg.state.backend == "local" else None
+        await gateway.start(reuse_port=worker, shared=local)
         if worker:
 
             def orphaned() -> None:

@@ -564,6 +564,63 @@ class TracingConfig(_Model):
         return self
 
 
+def _etcd_prefix(value: str) -> str:
+    if not value.startswith("/") or not value.endswith("/") or not value.isprintable():
+        raise ValueError("must start and end with '/' (e.g. /sglang-gateway/rl-job/)")
+    return value
+
+
+class EtcdConfig(_Model):
+    """Where the replicas of one fleet keep their shared state (state.backend: etcd)."""
+
+    # The cluster's client URLs; each call tries them in turn until one answers.
+    endpoints: Annotated[list[BackendUrl], Field(min_length=1)]
+    # Every key of this fleet lives under it: two fleets on one etcd need two prefixes.
+    prefix: Annotated[str, AfterValidator(_etcd_prefix)] = "/sglang-gateway/"
+    # etcd's user/password auth (a token is fetched with them); secrets, never printed.
+    username: str | None = None
+    password: Secret | None = None
+    password_file: str | None = None
+    # https endpoints: the CA that signed etcd's certificate (the system's CAs otherwise).
+    ca_file: str | None = None
+    # One call's deadline.
+    timeout_s: Annotated[float, Field(gt=0, le=60)] = 2.0
+    # What a replica holds (its acknowledgement, the control lock) outlives it by this much.
+    lease_ttl_s: Annotated[int, Field(ge=2, le=300)] = 10
+    # How long a fleet-changing call waits for another one's lock before it is refused (409).
+    lock_wait_s: Seconds = 10.0
+
+    @model_validator(mode="after")
+    def _usable(self) -> EtcdConfig:
+        if self.password is not None and self.password_file is not None:
+            raise ValueError("set password or password_file, not both")
+        if (self.password is not None or self.password_file is not None) != (
+            self.username is not None
+        ):
+            raise ValueError("username and a password (or password_file) go together")
+        for name in ("password_file", "ca_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name} {path!r} is not a readable file")
+        return self
+
+
+class StateConfig(_Model):
+    """Where the fleet's state (registry, engine states, versions) is shared: `local`, one
+    process or the --workers of one host (a file); `etcd`, several replicas."""
+
+    backend: Literal["local", "etcd"] = "local"
+    etcd: EtcdConfig | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> StateConfig:
+        if self.backend == "etcd" and self.etcd is None:
+            raise ValueError("state.backend: etcd needs state.etcd.endpoints")
+        if self.backend == "local" and self.etcd is not None:
+            raise ValueError("state.etcd is set but state.backend is local: set backend: etcd")
+        return self
+
+
 class GatewayConfig(_Model):
     listen: ListenConfig = ListenConfig()
     admin: AdminConfig = AdminConfig()
@@ -580,6 +637,7 @@ class GatewayConfig(_Model):
     logging: LoggingConfig = LoggingConfig()
     reload: ReloadConfig = ReloadConfig()
     tracing: TracingConfig = TracingConfig()
+    state: StateConfig = StateConfig()
 
 
 # Settings that need new sockets, a new connection pool or a new exporter: a reload cannot
@@ -592,6 +650,8 @@ RESTART_ONLY: Final = (
     "tracing",
     # The log handlers and the access log's observer are made once, at start.
     "logging",
+    # The shared fleet state is joined once, at start.
+    "state",
 )
 
 
@@ -655,6 +715,7 @@ _SECRET_PATHS: Final = (
     ("control", "keys"),
     ("tracing", "headers"),
     ("tracing", "endpoint"),  # refused when it carries credentials: then they are in it
+    ("state", "etcd"),  # its password
 )
 
 

@@ -155,6 +155,29 @@ def test_example_configs_name_the_namespace_the_manifests_use() -> None:
             "backends: {static: [http://a:1]}\nroutes: {passthrough: [/generate]}\n",
             r"routes: .*generation routes cannot be passthrough: /generate",
         ),
+        (
+            "backends: {static: [http://a:1]}\nstate: {backend: etcd}\n",
+            r"state: .*state\.backend: etcd needs state\.etcd\.endpoints",
+        ),
+        (
+            "backends: {static: [http://a:1]}\n"
+            "state: {backend: etcd, etcd: {endpoints: ['ftp://e:1']}}\n",
+            r"state\.etcd\.endpoints\[0\]: must be an http",
+        ),
+        (
+            "backends: {static: [http://a:1]}\n"
+            "state: {backend: etcd, etcd: {endpoints: ['http://e:1'], prefix: x}}\n",
+            r"state\.etcd\.prefix: must start and end with '/'",
+        ),
+        (
+            "backends: {static: [http://a:1]}\n"
+            "state: {backend: etcd, etcd: {endpoints: ['http://e:1'], password: pw-Secret-1}}\n",
+            r"state\.etcd: username and a password",
+        ),
+        (
+            "backends: {static: [http://a:1]}\nstate: {etcd: {endpoints: ['http://e:1']}}\n",
+            r"state: .*backend is local",
+        ),
         ("- just\n- a list\n", r"top level must be a mapping"),
         ("backends: {static: [http://a:1]\n", r"not valid YAML"),
     ],

@@ -358,6 +358,12 @@ def _adapters(
     return engines.hold_adapters(pool, held) if held else Change()
 
 
+def changes_fleet(path: str) -> bool:
+    """Whether a call on this engine path changes the state the gateway keeps of the fleet
+    (paused, asleep, weights, adapters): across replicas such calls run one at a time."""
+    return path in _STATE_CHANGES or path in _WEIGHT_UPDATES or path in _ADAPTER_CALLS
+
+
 def updated_weights(target: str, results: Sequence[BackendResult]) -> list[str]:
     """The backends a weight update succeeded on (their version is then read back)."""
     if target.partition("?")[0] not in _WEIGHT_UPDATES:

@@ -15,6 +15,7 @@ abort of one rid reaches its owner alone.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -42,6 +43,7 @@ from gateway.edge.control import (
     ControlCall,
     FanOut,
     apply_state,
+    changes_fleet,
     log_action,
     names_one_rid,
     relayed,
@@ -50,6 +52,7 @@ from gateway.edge.control import (
 )
 from gateway.edge.server import Reply
 from gateway.edge.upstream import Upstream
+from gateway.fleet.etcd_state import LockBusy, StoreDown
 from gateway.fleet.membership import Fleet
 from gateway.fleet.shared import SharingFailed
 from gateway.runtime import Unstoppable
@@ -129,7 +132,7 @@ class FleetControl:
         targets = self._targets(call, route, engine_path, body)
         if isinstance(targets, Reply):
             return targets
-        return await self._fan_out(call, route, caller, targets, body)
+        return await self._fan_out(call, route, caller, targets, body, engine_path=engine_path)
 
     def _caller(self, call: Call, route: Route) -> str | Reply:
         """How the caller is allowed: "key" or "trusted" (an operator), "member" (the
@@ -186,16 +189,34 @@ class FleetControl:
 
     async def _registry(self, call: Call, route: Route, caller: str, body: bytes) -> Reply:
         request, exchange, fanout = call.request, call.exchange, self.fanout
-        status, answer, change = registry_api.handle(
-            self._fleet, request.method, route.path, call.raw_path, body
-        )
+        fleet = self._fleet
+
+        async def change_registry() -> tuple[int, bytes, SharingFailed | None]:
+            # Under the fleet's lock when it changes: two replicas never interleave.
+            held = fleet.exclusive(route.path) if request.method != "GET" else _UNLOCKED
+            async with held:
+                status, answer, change = registry_api.handle(
+                    fleet, request.method, route.path, call.raw_path, body
+                )
+                try:
+                    await fleet.share(change)
+                except SharingFailed as exc:
+                    return status, answer, exc
+            return status, answer, None
+
         try:
-            await self._fleet.share(change)
-        except SharingFailed as exc:
+            work = change_registry()
+            # Only a change must outlive its caller; a read is the caller's alone.
+            status, answer, unshared = await (
+                work if request.method == "GET" else self._runs.run(work)
+            )
+        except (StoreDown, LockBusy) as exc:
+            return self._refused(call, route, exc)
+        if unshared is not None:
             fanout.count(route.path, "unshared")
             exchange.detail = "unshared"
             reply = {
-                "detail": _unshared_detail("The registry change was made", exc),
+                "detail": _unshared_detail("The registry change was made", unshared),
                 "shared": False,
                 "result": orjson.loads(answer),
             }
@@ -247,7 +268,14 @@ class FleetControl:
         return urls, target
 
     async def _fan_out(
-        self, call: Call, route: Route, caller: str, targets: tuple[list[str], str], body: bytes
+        self,
+        call: Call,
+        route: Route,
+        caller: str,
+        targets: tuple[list[str], str],
+        body: bytes,
+        *,
+        engine_path: tuple[str, str] | None = None,
     ) -> Reply:
         request, settings, exchange = call.request, call.settings, call.exchange
         urls, target = targets
@@ -263,9 +291,15 @@ class FleetControl:
         )
         # Run to its end even if the caller goes away: the engines act on the call either
         # way, so what the gateway records of them (and shares) must follow.
-        results, unshared = await self._runs.run(
-            self._run(urls, control, log_as=(route.path, caller, request.remote))
-        )
+        engine_route = route.path if engine_path is None else engine_path[1]
+        try:
+            results, unshared = await self._runs.run(
+                self._locked_run(
+                    engine_route, urls, control, log_as=(route.path, caller, request.remote)
+                )
+            )
+        except (StoreDown, LockBusy) as exc:
+            return self._refused(call, route, exc)
         ok = all(r.ok for r in results)
         exchange.attempts = len(results)
         if unshared is not None:
@@ -296,6 +330,34 @@ class FleetControl:
             reply_body(results),
             Outcome.OK if ok else Outcome.CONTROL_FAILED,
         )
+
+    async def _locked_run(
+        self,
+        engine_route: str,
+        urls: list[str],
+        call: ControlCall,
+        *,
+        log_as: tuple[str, str, str | None],
+    ) -> tuple[list[BackendResult], SharingFailed | None]:
+        """_run, under the fleet's lock when the call changes the fleet (StoreDown or
+        LockBusy before any engine is asked, when it cannot be had)."""
+        if not changes_fleet(engine_route):
+            return await self._run(urls, call, log_as=log_as)
+        async with self._fleet.exclusive(engine_route):
+            return await self._run(urls, call, log_as=log_as)
+
+    def _refused(self, call: Call, route: Route, exc: StoreDown | LockBusy) -> Reply:
+        """A fleet-changing call not made: the store is away (503) or another call holds
+        the fleet's lock (409). No engine was asked."""
+        busy = isinstance(exc, LockBusy)
+        result = "busy" if busy else "store_unavailable"
+        self.fanout.count(route.path, result)
+        call.exchange.detail = result
+        status = 409 if busy else 503
+        reply = call.reply(status, orjson.dumps({"detail": exc.reason}), Outcome.CONTROL_FAILED)
+        if not busy:
+            reply.headers.append(("Retry-After", "1"))
+        return reply
 
     async def _run(
         self, urls: list[str], call: ControlCall, *, log_as: tuple[str, str, str | None]
@@ -345,6 +407,7 @@ class FleetControl:
 
 
 _CLIENT: Final = "client"
+_UNLOCKED: Final = contextlib.nullcontext()
 
 
 def _may_generate(call: Call) -> bool:

@@ -24,6 +24,7 @@ from gateway.fleet.discovery import (
     Resolver,
     StaticDiscovery,
 )
+from gateway.fleet.etcd_state import EtcdState
 from gateway.fleet.health import HealthChecker, Prober
 from gateway.fleet.pool import BackendPool, EjectionRules, PoolRules
 from gateway.fleet.registry import WorkerRegistry
@@ -90,7 +91,7 @@ class Fleet:
         self._discovery_task: asyncio.Task[None] | None = None
         self._health: HealthChecker | None = None
         self._clients: FleetClients | None = None
-        self.shared: SharedState | None = None
+        self.shared: SharedState | EtcdState | None = None
         self._follow_task: asyncio.Task[None] | None = None
         self._doc: Document | None = None
         self._sharing = Unstoppable()
@@ -170,11 +171,15 @@ class Fleet:
 
     # -- state shared by the worker processes of one gateway (gateway/fleet/shared.py) -------
 
-    async def join(self, shared: SharedState) -> None:
-        """Adopt the fleet the other workers know, then follow its changes."""
+    async def join(self, shared: SharedState | EtcdState) -> None:
+        """Adopt the fleet the other workers (or replicas, through etcd) know, then follow
+        its changes. Raises StoreDown when etcd cannot be used."""
         self.shared = shared
         shared.attach(self.adopt)
-        await shared.take(await asyncio.to_thread(shared.load))
+        if isinstance(shared, EtcdState):
+            await shared.take(await shared.snapshot())
+        else:
+            await shared.take(await asyncio.to_thread(shared.load))
         self._follow_task = asyncio.create_task(shared.follow(), name="fleet-shared")
 
     def adopt(self, doc: Document) -> None:
@@ -193,6 +198,17 @@ class Fleet:
         if self.shared is None or not change:
             return
         await self._sharing.run(self.shared.record(change))
+
+    def exclusive(self, what: str) -> contextlib.AbstractAsyncContextManager[None]:
+        """Held around a fleet-changing call: across replicas (etcd) one such call runs at a
+        time; nothing to hold for one process or the --workers of one host."""
+        if isinstance(self.shared, EtcdState):
+            return self.shared.exclusive(what)
+        return contextlib.nullcontext()
+
+    def store_problem(self) -> str | None:
+        """What /readyz says of the shared store (etcd) when it cannot be reached."""
+        return self.shared.problem() if isinstance(self.shared, EtcdState) else None
 
     async def confirm_versions(self, urls: list[str], timeout_s: float) -> Change:
         """Ask each engine which weights it serves now (its /model_info) and take its
@@ -213,6 +229,8 @@ class Fleet:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._follow_task
             self._follow_task = None
+        if isinstance(self.shared, EtcdState):
+            await self.shared.close()
         await self._stop_discovery()
         if self._health is not None:
             await self._health.stop()

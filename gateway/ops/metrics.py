@@ -793,3 +793,11 @@ def _shared_families(shared: _SharedStats | None) -> Iterator[Metric]:
         "Damaged fleet state files this worker rebuilt from its own view.",
         value=float(shared.repairs),
     )
+    up = getattr(shared, "store_up", None)
+    if isinstance(up, bool):  # state.backend: etcd
+        yield GaugeMetricFamily(
+            PREFIX + "state_store_up",
+            "1 while the fleet state store (etcd) answers; 0 while it cannot be reached: "
+            "generation runs on the last known state, fleet-changing calls answer 503.",
+            value=1.0 if up else 0.0,
+        )

@@ -1,0 +1,339 @@
+"""Three gateway processes sharing one fleet through a real etcd (state.backend: etcd).
+
+What one replica is told (registration, pause, weights) every replica routes by when the
+call returns; two replicas never interleave fleet-changing calls; etcd lost while they
+run leaves generation served and fleet changes refused (503), and they catch up when it
+returns. The propagation time, a registration through one replica until another lists
+it, is printed (run with -s) and held under 1 s."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import statistics
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.edge.etcd import EtcdClient
+from gateway.testing.stub import StubBackend
+from tests.conftest import GatewayProcess, free_port, gateway_process, spawn
+from tests.etcd import EtcdServer, etcd  # noqa: F401 - the fixture
+
+GEN = orjson.dumps({"text": "x", "sampling_params": {"max_new_tokens": 2}})
+JSON = {"Content-Type": "application/json"}
+PREFIX = "/replicas-test/"
+
+
+def config(etcd_url: str, seed: str, extra: str = "") -> str:
+    return (
+        "listen: {host: 127.0.0.1, port: 0}\nadmin: {host: 127.0.0.1, port: 0}\n"
+        "backends:\n  discovery: registry\n"
+        f"  static: ['{seed}']\n"
+        "  queue_timeout_s: 0.3\n  health: {interval_s: 0.1}\n"
+        "logging: {access_log: false}\n"
+        "state:\n  backend: etcd\n  etcd:\n"
+        f"    endpoints: ['{etcd_url}']\n    prefix: {PREFIX}\n"
+        "    lease_ttl_s: 3\n    lock_wait_s: 1\n    timeout_s: 1\n" + extra
+    )
+
+
+class Replica:
+    def __init__(self, proc: GatewayProcess) -> None:
+        self.url = f"http://127.0.0.1:{proc.port}"
+        self.admin = f"http://127.0.0.1:{proc.admin}"
+        self.proc = proc
+
+    async def call(self, method: str, path: str, **kw: Any) -> tuple[int, Any]:
+        async with aiohttp.ClientSession() as s, s.request(method, self.url + path, **kw) as r:
+            data = await r.read()
+            return r.status, orjson.loads(data) if data else None
+
+    async def urls(self) -> set[str]:
+        status, listed = await self.call("GET", "/workers")
+        assert status == 200
+        return {w["url"] for w in listed["workers"]}
+
+    async def ready(self) -> tuple[int, str]:
+        async with aiohttp.ClientSession() as s, s.get(self.admin + "/readyz") as r:
+            return r.status, (await r.json())["reason"]
+
+    async def gauge(self, name: str) -> float:
+        async with aiohttp.ClientSession() as s, s.get(self.admin + "/metrics") as r:
+            text = await r.text()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name:
+                    return sample.value
+        raise AssertionError(f"no {name}")
+
+
+@contextlib.asynccontextmanager
+async def replicas(
+    etcd_url: str, seed: str, tmp_path: Path, n: int = 3
+) -> AsyncIterator[list[Replica]]:
+    async with contextlib.AsyncExitStack() as stack:
+        made = []
+        for i in range(n):
+            where = tmp_path / f"replica{i}"
+            where.mkdir()
+            proc = await stack.enter_async_context(gateway_process(config(etcd_url, seed), where))
+            made.append(Replica(proc))
+        yield made
+
+
+async def settle(replica: Replica, stubs: list[StubBackend]) -> None:
+    """Until the replica routes to every stub it lists (probed healthy)."""
+    async with asyncio.timeout(10):
+        while True:
+            status, listed = await replica.call("GET", "/workers")
+            if status == 200 and all(w["healthy"] for w in listed["workers"]):
+                return
+            await asyncio.sleep(0.05)
+
+
+async def test_register_pause_and_update_through_different_replicas(
+    etcd: EtcdServer,  # noqa: F811
+    stubs: list[StubBackend],
+    tmp_path: Path,
+) -> None:
+    first, second, third = stubs
+    async with replicas(etcd.url, first.url, tmp_path) as (a, b, c):
+        # Registered through one: listed by the others at once, and routed to by them.
+        status, _ = await a.call("POST", "/workers", json={"url": second.url})
+        assert status == 200
+        assert await b.urls() == await c.urls() == {first.url, second.url}
+        await settle(c, stubs)
+        before = second.generations_seen
+        for _ in range(8):
+            status, _ = await c.call("POST", "/generate", data=GEN, headers=JSON)
+            assert status == 200
+        assert second.generations_seen > before
+
+        # Propagation: a registration through a, until c lists it (c polls meanwhile).
+        times = []
+        for stub in (third, second, third):
+            if stub.url in await c.urls():
+                status, _ = await a.call("DELETE", f"/workers/{_id(stub)}")
+                assert status == 200
+            t0 = time.perf_counter()
+            posted = asyncio.ensure_future(a.call("POST", "/workers", json={"url": stub.url}))
+            while stub.url not in await c.urls():
+                await asyncio.sleep(0.002)
+            times.append(time.perf_counter() - t0)
+            assert (await posted)[0] == 200
+        print(
+            f"\npropagation a -> c: median {statistics.median(times) * 1000:.1f} ms, "
+            f"max {max(times) * 1000:.1f} ms"
+        )
+        assert max(times) < 1.0
+        await settle(b, stubs)
+        await settle(c, stubs)
+
+        # Paused through a while clients send through b and c: after the pause returned,
+        # no generation reaches an engine.
+        sending = True
+
+        async def client(r: Replica) -> None:
+            while sending:
+                await r.call("POST", "/generate", data=GEN, headers=JSON)
+
+        clients = [asyncio.ensure_future(client(r)) for r in (b, c, b, c)]
+        await asyncio.sleep(0.3)
+        status, reply = await a.call("POST", "/pause_generation", json={"mode": "retract"})
+        assert status == 200 and len(reply["results"]) == 3  # each engine once
+        arrived = [s.arrived_paused for s in stubs]
+        seen = [s.generations_seen for s in stubs]
+        await asyncio.sleep(0.8)
+        sending = False
+        assert [s.arrived_paused for s in stubs] == arrived
+        assert [s.generations_seen for s in stubs] == seen
+        for r in (b, c):
+            status, _ = await r.call("POST", "/generate", data=GEN, headers=JSON)
+            assert status == 503
+
+        # New weights through b, continue through c: every replica serves the new version.
+        update = {"model_path": "/ckpt/step-2", "weight_version": "step-2"}
+        status, reply = await b.call("POST", "/update_weights_from_disk", json=update)
+        assert status == 200 and reply["success"] and len(reply["results"]) == 3
+        status, _ = await c.call("POST", "/continue_generation", json={})
+        assert status == 200
+        # The generations held on the engines by the pause (retract) end now.
+        await asyncio.wait_for(asyncio.gather(*clients), 10)
+        for r in (a, b, c):
+            status, listed = await r.call("GET", "/workers")
+            assert {w["weight_version"] for w in listed["workers"]} == {"step-2"}
+            for _ in range(3):
+                status, out = await r.call("POST", "/generate", data=GEN, headers=JSON)
+                assert status == 200 and out["meta_info"]["weight_version"] == "step-2"
+        # Each engine got each control call exactly once, whichever replica took it.
+        for s in stubs:
+            paths = [r.path for r in s.received]
+            assert paths.count("/pause_generation") == 1
+            assert paths.count("/update_weights_from_disk") == 1
+            assert paths.count("/continue_generation") == 1
+
+        # Compacting etcd's history under the running watches changes nothing.
+        await etcd.compact()
+        status, _ = await a.call("DELETE", f"/workers/{_id(third)}")
+        assert status == 200
+        assert await b.urls() == await c.urls() == {first.url, second.url}
+
+
+def _id(stub: StubBackend) -> str:
+    from gateway.fleet.pool import worker_id
+
+    return worker_id(stub.url)
+
+
+async def test_conflicting_calls_through_two_replicas_serialise(
+    etcd: EtcdServer,  # noqa: F811
+    stubs: list[StubBackend],
+    tmp_path: Path,
+) -> None:
+    first = stubs[0]
+    async with replicas(etcd.url, first.url, tmp_path, n=2) as (a, b):
+        await settle(a, stubs)
+        # Another replica is mid-call: it holds the control lock on its lease.
+        holder = EtcdClient([etcd.url])
+        try:
+            lease = await holder.grant(2)
+            taken = await holder.replace(
+                (PREFIX + "lock/control").encode(),
+                b'{"replica": "gw-x", "call": "/update_weights_from_disk"}',
+                mod_revision=0,
+                lease=lease,
+            )
+            assert taken is not None
+            status, reply = await a.call("POST", "/pause_generation", json={})
+            assert status == 409
+            assert "/update_weights_from_disk" in reply["detail"]
+            assert "state.etcd.lock_wait_s" in reply["detail"]
+            assert not any(r.path == "/pause_generation" for r in first.received)
+            # A read needs no lock.
+            assert (await b.call("GET", "/workers"))[0] == 200
+            # The holder dies mid-call (its lease is never renewed): the lock goes with it.
+            await asyncio.sleep(2.5)
+        finally:
+            await holder.close()
+        status, _ = await a.call("POST", "/pause_generation", json={})
+        assert status == 200
+        # Two operators at once through a and b: both calls run, one after the other.
+        results = await asyncio.gather(
+            a.call("POST", "/continue_generation", json={}),
+            b.call("POST", "/pause_generation", json={}),
+        )
+        assert [status for status, _ in results] == [200, 200]
+
+
+async def test_etcd_lost_and_back(
+    etcd: EtcdServer,  # noqa: F811
+    stubs: list[StubBackend],
+    tmp_path: Path,
+) -> None:
+    first, second = stubs[0], stubs[1]
+    async with replicas(etcd.url, first.url, tmp_path) as (a, b, c):
+        await settle(b, stubs)
+        assert await a.gauge("sglang_gateway_state_store_up") == 1.0
+        await etcd.stop()
+        async with asyncio.timeout(5):
+            while (await a.ready())[1] == "ok":
+                await asyncio.sleep(0.05)
+        status, reason = await a.ready()
+        assert status == 200 and etcd.url in reason  # still ready: generation is served
+        assert await a.gauge("sglang_gateway_state_store_up") == 0.0
+        t_lost = time.monotonic()
+        while time.monotonic() - t_lost < 4:  # etcd away for several seconds
+            for r in (a, b, c):
+                status, _ = await r.call("POST", "/generate", data=GEN, headers=JSON)
+                assert status == 200
+            await asyncio.sleep(0.2)
+        for r in (a, b):
+            status, reply = await r.call("POST", "/pause_generation", json={})
+            assert status == 503 and etcd.url in reply["detail"]
+        status, reply = await c.call("POST", "/workers", json={"url": second.url})
+        assert status == 503 and etcd.url in reply["detail"]
+        assert not any(r.path == "/pause_generation" for r in first.received)
+        assert second.url not in await c.urls()
+
+        await etcd.start()
+        async with asyncio.timeout(15):
+            for r in (a, b, c):
+                while (await r.ready())[1] != "ok":
+                    await asyncio.sleep(0.1)
+        status, _ = await c.call("POST", "/workers", json={"url": second.url})
+        assert status == 200
+        assert await a.urls() == await b.urls() == {first.url, second.url}
+        status, _ = await a.call("POST", "/pause_generation", json={})
+        assert status == 200
+        await settle(b, stubs)
+        status, _ = await b.call("POST", "/generate", data=GEN, headers=JSON)
+        assert status == 503  # paused everywhere
+
+
+async def test_a_replica_that_cannot_reach_etcd_refuses_to_start(
+    stubs: list[StubBackend], tmp_path: Path
+) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(config(dead, stubs[0].url))
+    proc = await spawn(
+        "gateway",
+        "--config",
+        str(cfg),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 1
+    assert f"cannot start: the fleet state store (etcd at {dead}" in err.decode()
+
+
+async def test_workers_of_a_replica_share_through_etcd(
+    etcd: EtcdServer,  # noqa: F811
+    stubs: list[StubBackend],
+    tmp_path: Path,
+) -> None:
+    """--workers 2 on one replica, beside a plain one: each worker is a process of the fleet."""
+    first, second = stubs[0], stubs[1]
+    port, admin = free_port(), free_port()
+    cfg = tmp_path / "workers.yaml"
+    cfg.write_text(
+        config(etcd.url, first.url)
+        .replace("port: 0}\nadmin", f"port: {port}, workers: 2}}\nadmin", 1)
+        .replace("admin: {host: 127.0.0.1, port: 0}", f"admin: {{host: 127.0.0.1, port: {admin}}}")
+    )
+    proc = await spawn(
+        "gateway",
+        "--config",
+        str(cfg),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        async with aiohttp.ClientSession() as s, asyncio.timeout(30):
+            while True:
+                try:
+                    async with s.get(f"http://127.0.0.1:{admin}/readyz") as r:
+                        if r.status == 200 and (await r.json())["reason"] == "2/2 workers ready":
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.1)
+        where = tmp_path / "plain"
+        where.mkdir()
+        async with gateway_process(config(etcd.url, first.url), where) as plain:
+            other = Replica(plain)
+            status, _ = await other.call("POST", "/workers", json={"url": second.url})
+            assert status == 200
+            both = Replica(GatewayProcess(proc, port, admin))
+            for _ in range(12):  # fresh connections: the kernel spreads them over both workers
+                assert await both.urls() == {first.url, second.url}
+    finally:
+        proc.terminate()
+        assert await asyncio.wait_for(proc.wait(), 20) == 0
