@@ -35,7 +35,8 @@ def config(etcd_url: str, seed: str, extra: str = "") -> str:
         "listen: {host: 127.0.0.1, port: 0}\nadmin: {host: 127.0.0.1, port: 0}\n"
         "backends:\n  discovery: registry\n"
         f"  static: ['{seed}']\n"
-        "  queue_timeout_s: 0.3\n  health: {interval_s: 0.1}\n"
+        # A generation for a paused fleet is held this long, then refused: the 503 below.
+        "  queue_timeout_s: 0.3\n  pause_hold_s: 0.3\n  health: {interval_s: 0.1}\n"
         "logging: {access_log: false}\n"
         "state:\n  backend: etcd\n  etcd:\n"
         f"    endpoints: ['{etcd_url}']\n    prefix: {PREFIX}\n"
