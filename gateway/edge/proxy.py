@@ -33,6 +33,7 @@ from gateway.contract.prompt import prompt_start
 from gateway.contract.replies import Outcome
 from gateway.contract.routes import Family, Kind, Route, RouteTable, canonical_path
 from gateway.contract.skim import SKIM_MIN_BODY
+from gateway.edge import pd
 from gateway.edge.adapters import AdapterCatalog, unavailable_message
 from gateway.edge.admission import inspect_large
 from gateway.edge.auth import ApiKeys
@@ -451,12 +452,18 @@ class Call:
             version = self.proxy.pool.latest_version
         return version
 
-    async def forward(self, body: bytes, needs: Needs | None) -> Reply | None:
+    async def forward(
+        self, body: bytes, needs: Needs | None, role: str | None = None
+    ) -> Reply | None:
         """Send the request to a backend that has what it `needs` (another one after a
-        connection that failed, up to the attempts allowed) and relay the answer."""
+        connection that failed, up to the attempts allowed) and relay the answer. On a
+        prefill/decode fleet a generation goes to a pair (gateway/edge/pd.py); `role`: a
+        worker of that type instead of a plain one."""
         request, settings, exchange = self.request, self.settings, self.exchange
         proxy, rids = self.proxy, self.rids
         pool = proxy.pool
+        if pool.pd is not None and role is None:
+            return await pd.forward(self, body, needs)
         headers = self.upstream_headers(settings.forwarding)
         data = body if request.body_exists else None
         key = request.headers.get(settings.hash_header) if settings.hash_header else None
@@ -464,7 +471,7 @@ class Call:
         tried: list[Backend] = []
         while len(tried) < settings.attempts:
             backend = await pool.acquire(
-                tried, key, settings.queue_timeout, fits=needs, prompt=prompt
+                tried, key, settings.queue_timeout, fits=needs, prompt=prompt, role=role
             )
             if backend is None:
                 return self.no_backend(tried, needs)

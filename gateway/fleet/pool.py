@@ -22,6 +22,7 @@ from typing import Final
 from gateway.contract.profiles import DEFAULT_CAP, Family, MaskProfile, ServerInfo, profile_of
 from gateway.fleet.balancers import Balancer
 from gateway.fleet.cache_aware import CacheAware
+from gateway.fleet.pd import ROLES, PdRouting
 
 log = logging.getLogger("gateway.fleet.pool")
 
@@ -32,10 +33,11 @@ def worker_id(url: str) -> str:
     return hashlib.blake2b(url.encode(), digest_size=6).hexdigest()
 
 
-# Registered worker types (sglang-router's and SMG's `worker_type`). Until the gateway pairs
-# prefill with decode engines (issue 22), those get no plain traffic.
+# Registered worker types (sglang-router's and SMG's `worker_type`). Prefill and decode
+# engines get no plain traffic: with backends.mode pd a request goes to one of each
+# (gateway/edge/pd.py), else they serve none.
 REGULAR: Final = "regular"
-DISAGGREGATED: Final = frozenset({"prefill", "decode"})
+DISAGGREGATED: Final = frozenset(ROLES)
 
 
 class Health(enum.Enum):
@@ -50,6 +52,7 @@ class Backend:
     __slots__ = (
         "adapters",
         "asleep",
+        "bootstrap_port",
         "connect_failures",
         "ejected_until",
         "ejections",
@@ -101,6 +104,9 @@ class Backend:
         # What it was registered as (`worker_type`): a prefill or decode engine of a
         # disaggregated pair serves no plain request on its own.
         self.worker_type = REGULAR
+        # A prefill engine's KV bootstrap port (sglang-router's --prefill URL PORT), which
+        # its decode partner connects to; None: the engine's default.
+        self.bootstrap_port: int | None = None
         # Counts every write of weight_version: a read of the engine's version that began
         # before a write is older than it and must not replace it.
         self.version_writes = 0
@@ -170,6 +176,8 @@ class BackendPool:
         self.backends: tuple[Backend, ...] = ()
         self._balancer = balancer
         self.prefix = balancer if isinstance(balancer, CacheAware) else None
+        # backends.mode pd: the balancer of each role and the pairs' counters; None: plain.
+        self.pd: PdRouting | None = None
         self._policy = policy
         self._clock = clock
         self._slot_waiters: deque[asyncio.Future[None]] = deque()
@@ -200,6 +208,8 @@ class BackendPool:
             b.removed = True
         self.backends = tuple(current.get(u) or fresh[u] for u in wanted)
         self._balancer.set_members(wanted)
+        if self.pd is not None:
+            self.pd.set_members(wanted)
         if added or removed:
             self._reprofile()
         if added or removed:
@@ -213,9 +223,17 @@ class BackendPool:
             )
         return added, removed
 
-    def reconfigure(self, balancer: Balancer, policy: PoolRules) -> None:
+    def reconfigure(
+        self, balancer: Balancer, policy: PoolRules, pd: PdRouting | None = None
+    ) -> None:
         """Swap rules on reload; backend state is kept."""
-        balancer.set_members([b.url for b in self.backends])
+        urls = [b.url for b in self.backends]
+        balancer.set_members(urls)
+        if pd is not None:
+            pd.set_members(urls)
+            if self.pd is not None:
+                pd.inherit(self.pd)
+        self.pd = pd
         prefix = balancer if isinstance(balancer, CacheAware) else None
         if prefix is not None and self.prefix is not None:
             prefix.inherit(self.prefix)
@@ -240,6 +258,8 @@ class BackendPool:
         self._reprofile()
         if self.prefix is not None:
             self.prefix.forget(b.url)  # and its prefix cache with it
+        if self.pd is not None:
+            self.pd.forget(b.url)
 
     def _reprofile(self) -> None:
         # A backend of unknown release gets every known rule at once, with the smallest cap
@@ -263,17 +283,26 @@ class BackendPool:
             return False
         return b.health is Health.HEALTHY or not self._policy.probation
 
-    def routable(self, b: Backend, now: float) -> bool:
+    def routable(self, b: Backend, now: float, role: str | None = None) -> bool:
         """May take a new request at `now` (concurrency aside): available, neither paused
-        nor asleep, and a plain worker. The one rule pick, saturation and the metrics read."""
-        return self.available(b, now) and not b.paused and not b.asleep and b.plain
+        nor asleep, and a plain worker (with a `role`: a worker of that type). The one rule
+        pick, saturation and the metrics read."""
+        return (
+            self.available(b, now)
+            and not b.paused
+            and not b.asleep
+            and (b.plain if role is None else b.worker_type == role)
+        )
 
-    def held(self, exclude: Sequence[Backend] = ()) -> bool:
+    def held(self, exclude: Sequence[Backend] = (), role: str | None = None) -> bool:
         """Some working backend is paused or asleep: it will take traffic again once
         continued or resumed, so a request may wait for it."""
         now = self._clock()
         return any(
-            (b.paused or b.asleep) and b.plain and self.available(b, now) and b not in exclude
+            (b.paused or b.asleep)
+            and (b.plain if role is None else b.worker_type == role)
+            and self.available(b, now)
+            and b not in exclude
             for b in self.backends
         )
 
@@ -294,27 +323,34 @@ class BackendPool:
         *,
         fits: Fit | None = None,
         prompt: Prompt | None = None,
+        role: str | None = None,
     ) -> Backend | None:
         """A routable backend below its concurrency cap (and one that `fits` the request:
         the weights it asks for, a mask it can serve), or None. With cache_aware, `prompt`
-        (the body and where its prompt starts) picks among them."""
+        (the body and where its prompt starts) picks among them. With a `role` (prefill,
+        decode), a worker of that type, by that role's balancer."""
         now = self._clock()
         cap = self._policy.max_inflight
         candidates = [
             b
             for b in self.backends
-            if self.routable(b, now)
+            if self.routable(b, now, role)
             and (cap is None or b.inflight < cap)
             and b not in exclude
             and (fits is None or fits(b))
         ]
         if not candidates:
             return None
-        if prompt is not None and self.prefix is not None:
-            return self.prefix.choose_prompt(candidates, *prompt)
-        return self._balancer.choose(candidates, key)
+        balancer = self._balancer
+        prefix = self.prefix
+        if role is not None and self.pd is not None:
+            balancer = self.pd.balancer(role)
+            prefix = balancer if isinstance(balancer, CacheAware) else None
+        if prompt is not None and prefix is not None:
+            return prefix.choose_prompt(candidates, *prompt)
+        return balancer.choose(candidates, key)
 
-    def saturated(self, exclude: Sequence[Backend] = ()) -> bool:
+    def saturated(self, exclude: Sequence[Backend] = (), role: str | None = None) -> bool:
         """Some routable backend exists but all of them are at their concurrency cap.
 
         Then waiting briefly for a slot makes sense; otherwise nothing will come.
@@ -322,7 +358,7 @@ class BackendPool:
         if self._policy.max_inflight is None:
             return False
         now = self._clock()
-        return any(self.routable(b, now) and b not in exclude for b in self.backends)
+        return any(self.routable(b, now, role) and b not in exclude for b in self.backends)
 
     async def acquire(
         self,
@@ -332,15 +368,20 @@ class BackendPool:
         *,
         fits: Fit | None = None,
         prompt: Prompt | None = None,
+        role: str | None = None,
     ) -> Backend | None:
         """Take a slot on a backend for the next attempt: picked and counted in flight.
 
         If every routable backend is at its concurrency cap, wait up to `wait_s` for a slot
         rather than overload one or fail at once; None when there is none to have.
         """
-        backend = self.pick(exclude, key, fits=fits, prompt=prompt)
-        if backend is None and wait_s > 0 and (self.saturated(exclude) or self.held(exclude)):
-            backend = await self._wait_for_slot(exclude, key, wait_s, fits, prompt)
+        backend = self.pick(exclude, key, fits=fits, prompt=prompt, role=role)
+        if (
+            backend is None
+            and wait_s > 0
+            and (self.saturated(exclude, role) or self.held(exclude, role))
+        ):
+            backend = await self._wait_for_slot(exclude, key, wait_s, fits, prompt, role=role)
         if backend is not None:
             backend.inflight += 1
         return backend
@@ -352,6 +393,8 @@ class BackendPool:
         wait_s: float,
         fits: Fit | None,
         prompt: Prompt | None = None,
+        *,
+        role: str | None = None,
     ) -> Backend | None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
@@ -366,8 +409,10 @@ class BackendPool:
             finally:
                 if not waiter.done():
                     waiter.cancel()
-            backend = self.pick(exclude, key, fits=fits, prompt=prompt)
-            if backend is not None or not (self.saturated(exclude) or self.held(exclude)):
+            backend = self.pick(exclude, key, fits=fits, prompt=prompt, role=role)
+            if backend is not None or not (
+                self.saturated(exclude, role) or self.held(exclude, role)
+            ):
                 return backend
         return None
 
