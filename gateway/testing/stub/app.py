@@ -273,6 +273,8 @@ class StubBackend:
             ("POST", "/flush_cache", self._flush_cache),
             ("GET", "/metrics", self._metrics),
         ]
+        if self.pd is not None:
+            routes.append(("GET", "/stub/pd", self._pd_state))
         for method, path, handler in routes:
             app.router.add_route(method, path, handler)
         app.on_response_prepare.append(self._stamp)
@@ -764,6 +766,13 @@ class StubBackend:
         )
 
     # --- operational routes --------------------------------------------------------------
+
+    async def _pd_state(self, request: web.Request) -> web.StreamResponse:
+        """The rooms this half of a pair took part in, for a check across processes."""
+        pd = self.pd
+        assert pd is not None
+        state = {"role": pd.role, "rooms": pd.rooms, "failed": pd.failed}
+        return json_response(state | {"handed_over": pd.handed_over})
 
     async def _health(self, request: web.Request) -> web.StreamResponse:
         if self.health_delay_s > 0:
