@@ -295,3 +295,69 @@ async def test_return_logprob_merges_the_prefills_input_logprobs(
     finally:
         await reference.stop()
     assert expected and merged == expected
+
+
+async def test_registered_workers_are_paired_by_their_worker_type(
+    pairs: Pairs, make_gateway: GatewayFactory, session: aiohttp.ClientSession
+) -> None:
+    gw = await make_gateway(backends={"discovery": "registry", "mode": "pd"})
+    # Before any worker: a defined 503 naming the missing role.
+    status, answer = await _post(session, gw, "/generate", b'{"text": "x"}')
+    assert status == 503 and b"No prefill worker" in answer
+    for s in pairs.prefill[:1]:
+        reg = {"url": s.url, "worker_type": "prefill", "bootstrap_port": _pd(s).bootstrap_port}
+        async with session.post(gw_url(gw, "/workers"), json=reg) as resp:
+            assert resp.status in (200, 201, 202)
+    async with session.post(
+        gw_url(gw, "/workers"), json={"url": pairs.decode[0].url, "worker_type": "decode"}
+    ) as resp:
+        assert resp.status in (200, 201, 202)
+    for _ in range(100):
+        status, answer = await _post(session, gw, "/generate", b'{"text": "x"}')
+        if status == 200:
+            break
+        await asyncio.sleep(0.05)
+    assert status == 200, answer
+    assert pairs.rooms(pairs.prefill[:1]) == pairs.rooms(pairs.decode[:1])
+    # Operational routes go to a prefill worker; unpaired generation routes are refused.
+    async with session.get(gw_url(gw, "/model_info")) as resp:
+        assert resp.status == 200
+    assert proxied(pairs.prefill[0])[-1].path == "/model_info"
+    status, _ = await _post(session, gw, "/v1/responses", b'{"input": "x"}')
+    assert status == 501
+
+
+def test_pd_config_is_checked() -> None:
+    from gateway import config as config_mod
+
+    url = "http://127.0.0.1:1"
+    bad = [
+        ({"prefill": [url], "decode": ["http://127.0.0.1:2"]}, "need backends.mode: pd"),
+        ({"mode": "pd", "prefill": [url]}, "one in backends.decode"),
+        ({"mode": "pd", "prefill": [url], "decode": [url]}, "listed in backends.prefill and"),
+        (
+            {"mode": "pd", "prefill": [{"url": url, "bootstrap_port": 0}], "decode": [url + "0"]},
+            "bootstrap_port",
+        ),
+        (
+            {"mode": "pd", "discovery": "dns", "dns": {"name": "x", "port": 1}, "decode": [url]},
+            "static or registry",
+        ),
+        ({"mode": "pd", "prefill_balancer": "bucket", "static": [url]}, "bucket"),
+    ]
+    for backends, needle in bad:
+        with pytest.raises(config_mod.ConfigError) as exc:
+            config_mod.build({"backends": backends})
+        assert needle in str(exc.value), (backends, str(exc.value))
+    cfg = config_mod.build(
+        {
+            "backends": {
+                "mode": "pd",
+                "prefill": [url],
+                "decode": [url + "0"],
+                "decode_balancer": "least_load",
+            }
+        }
+    )
+    assert cfg.backends.decode_balancer == "least_inflight"
+    assert cfg.backends.worker_roles()[url] == {"worker_type": "prefill", "bootstrap_port": None}
