@@ -106,9 +106,7 @@ def decide() -> tuple[bool, str]:
 
         return True, f"mypyc {mypy_version}, -O{OPT_LEVEL}"
     if choice == "1":
-        raise SystemExit(
-            f"setup.py: SGLANG_GATEWAY_COMPILE=1, but no C extension builds: {problem}"
-        )
+        raise SystemExit(f"setup.py: SGLANG_GATEWAY_COMPILE=1, but no C extension builds: {problem}")
     print(f"setup.py: no C extension builds here ({problem}): building pure", file=sys.stderr)
     return False, f"no C compiler at build time: {problem}"
 
