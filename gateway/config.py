@@ -207,8 +207,43 @@ SMG_UNSUPPORTED: Final[Mapping[str, str]] = {
         "balancer. Use consistent_hashing with an X-SMG-Routing-Key per session"
     ),
     "passthrough": "SMG's passthrough is for OpenAI-style upstreams, not SGLang engines",
-    "bucket": "SMG's bucket policy is for prefill workers, and the gateway has no PD routing yet",
+    "bucket": (
+        "SMG's bucket policy sorts prefill workers into load buckets; the gateway has no "
+        "such balancer. Use cache_aware or least_load for the prefill workers"
+    ),
 }
+
+_BalancerName = Literal[
+    "least_inflight", "round_robin", "power_of_two", "consistent_hash", "random", "cache_aware"
+]
+
+
+def _smg_balancer(field: str, name: object) -> object:
+    """An sglang-router policy name as the balancer here closest to it (SMG_POLICIES)."""
+    if not isinstance(name, str):
+        return name
+    if name in SMG_UNSUPPORTED:
+        raise ValueError(
+            f"{field} {name!r} (sglang-router's --policy {name}) has no equivalent in "
+            f"the gateway: {SMG_UNSUPPORTED[name]}"
+        )
+    if name in SMG_POLICIES and name not in BALANCER_NAMES:
+        return SMG_POLICIES[name][0]
+    return name
+
+
+class PrefillWorker(_Model):
+    """A prefill engine of backends.prefill: sglang-router's `--prefill URL [PORT]`."""
+
+    url: BackendUrl
+    # The engine's --disaggregation-bootstrap-port, which its decode partner connects to;
+    # null: the engine's default (sglang-router sends null too).
+    bootstrap_port: Annotated[int, Field(ge=1, le=65535)] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _plain_url(cls, data: Any) -> Any:
+        return {"url": data} if isinstance(data, str) else data
 
 
 class CacheAwareConfig(_Model):
@@ -230,9 +265,19 @@ class BackendsConfig(_Model):
     dns: DnsConfig | None = None
     kubernetes: KubernetesConfig | None = None
     # sglang-router's --policy names are taken too (SMG_POLICIES): see _smg_policy.
-    balancer: Literal[
-        "least_inflight", "round_robin", "power_of_two", "consistent_hash", "random", "cache_aware"
-    ] = "least_inflight"
+    balancer: _BalancerName = "least_inflight"
+    # pd: every generation goes to one prefill and one decode worker together, which the
+    # KV cache passes between (README, "Prefill/decode disaggregation"); regular workers
+    # then serve none. regular: prefill and decode workers serve nothing.
+    mode: Literal["regular", "pd"] = "regular"
+    # Workers by role, besides backends.static (regular ones): sglang-router's --prefill
+    # URL [BOOTSTRAP_PORT] and --decode URL. A registered worker says its own worker_type.
+    prefill: list[PrefillWorker] = Field(default_factory=list)
+    decode: list[BackendUrl] = Field(default_factory=list)
+    # Each role's balancer (sglang-router's --prefill-policy, --decode-policy); null:
+    # backends.balancer. cache_aware suits prefill: the prompt's cache lives there.
+    prefill_balancer: _BalancerName | None = None
+    decode_balancer: _BalancerName | None = None
     # When a request's own backend (its cached prefix with cache_aware, its session with
     # consistent_hash) is too loaded for it: more in flight than the least loaded candidate
     # by over balance_abs_threshold and by a factor over balance_rel_threshold. It then goes
@@ -263,6 +308,9 @@ class BackendsConfig(_Model):
         effective config names what runs; one with no equivalent is refused, saying why."""
         if not isinstance(data, dict):
             return data
+        for field in ("prefill_balancer", "decode_balancer"):
+            if field in data:
+                data = {**data, field: _smg_balancer(field, data[field])}
         name = data.get("balancer")
         if not isinstance(name, str):
             return data
@@ -280,13 +328,57 @@ class BackendsConfig(_Model):
 
     @model_validator(mode="after")
     def _discovery_configured(self) -> BackendsConfig:
-        if self.discovery == "static" and not self.static:
+        if self.discovery == "static" and not (self.static or self.prefill or self.decode):
             raise ValueError("static discovery needs at least one URL in backends.static")
+        self._roles_configured()
         if self.discovery == "dns" and self.dns is None:
             raise ValueError("dns discovery needs a backends.dns section (name, port)")
         if self.discovery == "kubernetes" and self.kubernetes is None:
             raise ValueError("kubernetes discovery needs a backends.kubernetes section")
         return self
+
+    def _roles_configured(self) -> None:
+        if (self.prefill or self.decode) and self.discovery not in ("static", "registry"):
+            raise ValueError(
+                "backends.prefill and backends.decode list workers for static or registry "
+                f"discovery; with {self.discovery} discovery the role comes from the workers "
+                "themselves (README, prefill/decode disaggregation)"
+            )
+        if (self.prefill or self.decode) and self.mode != "pd":
+            raise ValueError(
+                "backends.prefill and backends.decode need backends.mode: pd (a prefill or "
+                "decode worker serves no request alone)"
+            )
+        if self.mode == "pd" and self.discovery == "static" and not (self.prefill and self.decode):
+            raise ValueError(
+                "backends.mode pd with static discovery needs at least one URL in "
+                "backends.prefill and one in backends.decode"
+            )
+        seen: dict[str, str] = {}
+        for role, urls in (
+            ("static", self.static),
+            ("prefill", [w.url for w in self.prefill]),
+            ("decode", self.decode),
+        ):
+            for url in urls:
+                if url in seen:
+                    raise ValueError(f"{url} is listed in backends.{seen[url]} and {role}")
+                seen[url] = role
+
+    def worker_roles(self) -> dict[str, dict[str, Any]]:
+        """What backends.prefill and backends.decode say of each of their URLs, as a worker
+        registers it (worker_type, bootstrap_port)."""
+        roles: dict[str, dict[str, Any]] = {
+            w.url: {"worker_type": "prefill", "bootstrap_port": w.bootstrap_port}
+            for w in self.prefill
+        }
+        roles.update({url: {"worker_type": "decode"} for url in self.decode})
+        return roles
+
+    @property
+    def members(self) -> list[str]:
+        """Every configured URL: backends.static, then prefill, then decode workers."""
+        return [*self.static, *(w.url for w in self.prefill), *self.decode]
 
 
 class TimeoutsConfig(_Model):

@@ -10,8 +10,12 @@ membership is the worker registry, seeded with `--worker-urls`, so engines may a
 register themselves later (`POST /workers`), as they do with the router.
 
 A flag of the router's that the gateway cannot honour is refused with exit status 2 and
-the list of what is taken, never ignored: a policy with no equivalent, PD disaggregation,
-a per-worker credential, Kubernetes selectors (use backends.discovery: kubernetes), ...
+the list of what is taken, never ignored: a policy with no equivalent, encode/prefill/decode
+disaggregation, a per-worker credential, Kubernetes selectors (use backends.discovery:
+kubernetes), ... `--pd-disaggregation` with `--prefill URL [BOOTSTRAP_PORT]` and
+`--decode URL` (each repeatable, as the router takes them) becomes backends.mode pd with
+backends.prefill and backends.decode; `--prefill-policy` and `--decode-policy` become each
+role's balancer.
 """
 
 from __future__ import annotations
@@ -40,14 +44,11 @@ _LOG_LEVELS: Final = {
 
 # The router's flags that have no equivalent here, with what to do instead.
 _REFUSED: Final = {
-    "--pd-disaggregation": "PD disaggregated routing is not built yet; run prefill/decode "
-    "engines behind SMG, or regular engines behind the gateway",
     "--epd-disaggregation": "encode/prefill/decode routing is not built yet",
-    "--prefill": "PD disaggregated routing is not built yet",
-    "--decode": "PD disaggregated routing is not built yet",
     "--encode": "encode/prefill/decode routing is not built yet",
-    "--prefill-policy": "PD disaggregated routing is not built yet",
-    "--decode-policy": "PD disaggregated routing is not built yet",
+    "--prefill-selector": "use backends.discovery: kubernetes with its role label (README)",
+    "--decode-selector": "use backends.discovery: kubernetes with its role label (README)",
+    "--mini-lb": "the gateway is the load balancer",
     "--api-key": "a credential on the command line shows in every process listing; put it "
     "in a file: auth.upstream_authorization_file (what backends get) with --config",
     "--service-discovery": "use backends.discovery: kubernetes with --config",
@@ -96,6 +97,27 @@ def _parser() -> _Parser:
         help="backends.balancer: " + ", ".join(names) + " (default: cache_aware, SMG's "
         "default, unless --config names a balancer)",
     )
+    p.add_argument(
+        "--pd-disaggregation", action="store_true", help="backends.mode: pd (prefill/decode pairs)"
+    )
+    p.add_argument(
+        "--prefill",
+        nargs="+",
+        action="append",
+        default=[],
+        metavar="URL [BOOTSTRAP_PORT]",
+        help="backends.prefill: a prefill engine and its bootstrap port (a number or none)",
+    )
+    p.add_argument(
+        "--decode",
+        nargs=1,
+        action="append",
+        default=[],
+        metavar="URL",
+        help="backends.decode: a decode engine",
+    )
+    p.add_argument("--prefill-policy", metavar="NAME", help="backends.prefill_balancer")
+    p.add_argument("--decode-policy", metavar="NAME", help="backends.decode_balancer")
     p.add_argument("--cache-threshold", type=float, help="backends.cache_aware.cache_threshold")
     p.add_argument("--balance-abs-threshold", type=int, help="backends.balance_abs_threshold")
     p.add_argument("--balance-rel-threshold", type=float, help="backends.balance_rel_threshold")
@@ -181,6 +203,7 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
         if args.policy not in SMG_POLICIES and args.policy not in BALANCER_NAMES:
             _usage_error(f"--policy {args.policy}: not a policy the gateway knows.")
         out["backends.balancer"] = args.policy
+    out.update(_pd(args))
     if args.request_timeout_secs is not None:
         seconds = float(args.request_timeout_secs)
         out["timeouts.total_s"] = seconds
@@ -196,6 +219,56 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, attr)
         if value is not None:
             out[key] = convert(value)
+    return out
+
+
+def _policy(flag: str, name: str) -> str:
+    if name in SMG_UNSUPPORTED:
+        _usage_error(f"{flag} {name}: {SMG_UNSUPPORTED[name]}.")
+    if name not in SMG_POLICIES and name not in BALANCER_NAMES:
+        _usage_error(f"{flag} {name}: not a policy the gateway knows.")
+    return name
+
+
+def _pd(args: argparse.Namespace) -> dict[str, Any]:
+    """--pd-disaggregation and its workers and policies, as sglang-router's router_args.py
+    reads them (--prefill URL [BOOTSTRAP_PORT], the port a number or `none`)."""
+    pd_flags = [
+        flag
+        for flag, given in (
+            ("--prefill", args.prefill),
+            ("--decode", args.decode),
+            ("--prefill-policy", args.prefill_policy),
+            ("--decode-policy", args.decode_policy),
+        )
+        if given
+    ]
+    if not args.pd_disaggregation:
+        if pd_flags:
+            _usage_error(f"{pd_flags[0]} needs --pd-disaggregation.")
+        return {}
+    prefill: list[dict[str, Any]] = []
+    for entry in args.prefill:
+        if len(entry) > 2:
+            _usage_error(f"--prefill takes URL [BOOTSTRAP_PORT], got {' '.join(entry)}.")
+        port: int | None = None
+        if len(entry) == 2 and entry[1].lower() != "none":
+            try:
+                port = int(entry[1])
+            except ValueError:
+                _usage_error(
+                    f"--prefill {entry[0]} {entry[1]}: the bootstrap port must be a number or none."
+                )
+        prefill.append({"url": entry[0], "bootstrap_port": port})
+    out: dict[str, Any] = {
+        "backends.mode": "pd",
+        "backends.prefill": prefill,
+        "backends.decode": [entry[0] for entry in args.decode],
+    }
+    if args.prefill_policy is not None:
+        out["backends.prefill_balancer"] = _policy("--prefill-policy", args.prefill_policy)
+    if args.decode_policy is not None:
+        out["backends.decode_balancer"] = _policy("--decode-policy", args.decode_policy)
     return out
 
 

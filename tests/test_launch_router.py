@@ -150,13 +150,52 @@ async def test_the_flags_become_the_config() -> None:
     assert b["cache_aware"]["cache_threshold"] == 0.5 and b["balance_abs_threshold"] == 16
 
 
+async def test_pd_disaggregation_takes_the_routers_prefill_and_decode_flags() -> None:
+    code, out, err = await run(
+        "--check-config",
+        "--pd-disaggregation",
+        "--prefill",
+        "http://10.0.0.1:30000",
+        "8998",
+        "--prefill",
+        "http://10.0.0.2:30000",
+        "none",
+        "--prefill",
+        "http://10.0.0.3:30000",
+        "--decode",
+        "http://10.0.0.4:30000",
+        "--prefill-policy",
+        "cache_aware",
+        "--decode-policy",
+        "round_robin",
+    )
+    assert code == 0, err
+    b = yaml.safe_load(out)["backends"]
+    assert b["mode"] == "pd" and b["discovery"] == "registry"
+    assert b["prefill"] == [
+        {"url": "http://10.0.0.1:30000", "bootstrap_port": 8998},
+        {"url": "http://10.0.0.2:30000", "bootstrap_port": None},
+        {"url": "http://10.0.0.3:30000", "bootstrap_port": None},
+    ]
+    assert b["decode"] == ["http://10.0.0.4:30000"]
+    assert b["prefill_balancer"] == "cache_aware" and b["decode_balancer"] == "round_robin"
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
         (["--max-tree-size", "1000"], "not supported: --max-tree-size"),
         (["--pol", "random"], "not supported: --pol"),
-        (["--pd-disaggregation"], "--pd-disaggregation is not supported: PD"),
-        (["--prefill", "http://p:1", "9000"], "--prefill is not supported"),
+        (["--prefill", "http://p:1", "9000"], "--prefill needs --pd-disaggregation"),
+        (["--epd-disaggregation"], "--epd-disaggregation is not supported"),
+        (
+            ["--pd-disaggregation", "--prefill", "http://p:1", "port"],
+            "the bootstrap port must be a number or none",
+        ),
+        (
+            ["--pd-disaggregation", "--prefill-policy", "bucket"],
+            "--prefill-policy bucket: SMG's bucket",
+        ),
         (["--api-key=secret"], "--api-key is not supported"),
         (["--policy", "prefix_hash"], "--policy prefix_hash: SMG's prefix_hash"),
         (["--policy", "fastest"], "--policy fastest: not a policy"),

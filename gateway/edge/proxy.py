@@ -33,6 +33,7 @@ from gateway.contract.prompt import prompt_start
 from gateway.contract.replies import Outcome
 from gateway.contract.routes import Family, Kind, Route, RouteTable, canonical_path
 from gateway.contract.skim import SKIM_MIN_BODY
+from gateway.edge import pd
 from gateway.edge.adapters import AdapterCatalog, holders, unavailable_message
 from gateway.edge.admission import inspect_large
 from gateway.edge.auth import ApiKeys
@@ -459,12 +460,18 @@ class Call:
             version = self.proxy.pool.latest_version
         return version
 
-    async def forward(self, body: bytes, needs: Needs | None) -> Reply | None:
+    async def forward(
+        self, body: bytes, needs: Needs | None, role: str | None = None
+    ) -> Reply | None:
         """Send the request to a backend that has what it `needs` (another one after a
-        connection that failed, up to the attempts allowed) and relay the answer."""
+        connection that failed, up to the attempts allowed) and relay the answer. On a
+        prefill/decode fleet a generation goes to a pair (gateway/edge/pd.py); `role`: a
+        worker of that type instead of a plain one."""
         request, settings, exchange = self.request, self.settings, self.exchange
         proxy, rids = self.proxy, self.rids
         pool = proxy.pool
+        if pool.pd is not None and role is None:
+            return await pd.forward(self, body, needs)
         headers = self.upstream_headers(settings.forwarding)
         data = body if request.body_exists else None
         key = request.headers.get(settings.hash_header) if settings.hash_header else None
@@ -483,6 +490,7 @@ class Call:
                     prompt=prompt,
                     hold_s=hold_s,
                     hold_bytes=len(body),
+                    role=role,
                 )
             except HoldRefused as refused:  # not `exc`: mypyc/mypyc#620 (tests/test_build.py)
                 return self.not_held(refused.reason, needs)

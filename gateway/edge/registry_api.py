@@ -70,11 +70,22 @@ def _worker(fleet: Fleet, backend: Backend) -> dict[str, Any]:
         "asleep": backend.asleep,
         "inflight": backend.inflight,
         "worker_type": backend.worker_type,
+        **_pd_counters(fleet, backend),
         "lora_adapters": sorted(backend.adapters),
         # SMG's names for the same (sgl-model-gateway WorkerInfo), for its clients.
         "is_healthy": backend.health is Health.HEALTHY,
         "load": backend.inflight,
     }
+
+
+def _pd_counters(fleet: Fleet, backend: Backend) -> dict[str, Any]:
+    """A prefill or decode worker's side of the pairs, on a PD fleet (backends.mode: pd)."""
+    pd = fleet.pool.pd
+    if pd is None or backend.plain:
+        return {}
+    stats = pd.stats.get(backend.url)
+    counters = {"paired": stats.paired if stats else 0, "failed": stats.failed if stats else 0}
+    return {"bootstrap_port": backend.bootstrap_port, "pd": counters}
 
 
 def _listing(fleet: Fleet) -> dict[str, Any]:
@@ -87,7 +98,14 @@ def _listing(fleet: Fleet) -> dict[str, Any]:
         if isinstance(kind, str) and kind in counts:
             counts[kind] += 1
     stats = {f"{kind}_count": n for kind, n in counts.items()}
-    return {"workers": workers, "total": len(workers), "stats": stats}
+    listing: dict[str, Any] = {"workers": workers, "total": len(workers), "stats": stats}
+    pd = fleet.pool.pd
+    if pd is not None:
+        failures: dict[str, dict[str, int]] = {}
+        for (side, cause), n in pd.failures.items():
+            failures.setdefault(side, {})[cause] = n
+        listing["pd"] = {"pairs": pd.pairs, "failures": failures}
+    return listing
 
 
 def _json(status: int, obj: object, change: Change = _UNCHANGED) -> Answer:

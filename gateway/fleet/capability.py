@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from gateway.contract.policy import MaskDemand, Rejection
 from gateway.contract.profiles import MaskProfile
+from gateway.fleet.pd import DECODE_ROLE
 from gateway.fleet.pool import Backend, BackendPool, Fit
 
 
@@ -39,13 +40,19 @@ class Admission:
         """None when some member admits the request (it waits for that one if it is busy or
         paused); else the refusal of the routable member closest to admitting it. `wanted`:
         what else the request needs (the weights it asks for): only those members count."""
+        # On a prefill/decode fleet the decode engine samples: its admission decides.
+        role = None if pool.pd is None else DECODE_ROLE
         members = [
-            b for b in pool.backends if not b.removed and b.plain and (wanted is None or wanted(b))
+            b
+            for b in pool.backends
+            if not b.removed
+            and (b.plain if role is None else b.worker_type == role)
+            and (wanted is None or wanted(b))
         ]
         if not members or any(self.fits(b) for b in members):
             return None
         now = pool.now()
-        candidates = [b for b in members if pool.routable(b, now)] or members
+        candidates = [b for b in members if pool.routable(b, now, role)] or members
         closest = max(candidates, key=_closeness)
         return self.verdict(closest)
 
@@ -81,16 +88,17 @@ class Needs:
 
 
 def only_disaggregated(pool: BackendPool) -> Rejection | None:
-    """The refusal of an ordinary request when every member is a prefill or decode worker:
-    until the gateway pairs them (issue 22), none of them can serve it alone."""
+    """The refusal of an ordinary request when every member is a prefill or decode worker
+    and the gateway does not pair them (backends.mode regular): none of them can serve it
+    alone."""
     members = [b for b in pool.backends if not b.removed]
-    if not members or any(b.plain for b in members):
+    if pool.pd is not None or not members or any(b.plain for b in members):
         return None
     return Rejection(
         503,
         "routing",
         "disaggregated_only",
-        "Only prefill and decode workers are registered (worker_type), and the gateway does "
-        "not pair them yet: no worker can serve a request on its own. Register a regular "
-        "worker.",
+        "Only prefill and decode workers are registered (worker_type), and the gateway "
+        "pairs them only with backends.mode: pd: no worker can serve a request on its own. "
+        "Set backends.mode: pd, or register a regular worker.",
     )

@@ -127,12 +127,24 @@ def hold_adapters(pool: BackendPool, adapters: Mapping[str, frozenset[str]]) -> 
     return Change(states={url: {LORA_ADAPTERS: sorted(names)} for url, names in adapters.items()})
 
 
-def typed(pool: BackendPool, worker_types: Mapping[str, object]) -> None:
+def typed(
+    pool: BackendPool,
+    worker_types: Mapping[str, object],
+    bootstrap_ports: Mapping[str, object] | None = None,
+) -> None:
     """The worker type each member (by URL) was registered with; anything but a string
-    (not registered with one) is a regular worker."""
+    (not registered with one) is a regular worker. A prefill worker's bootstrap_port: an
+    int from 1 to 65535, else None (the engine's default)."""
+    ports = bootstrap_ports or {}
     for b in pool.backends:
         kind = worker_types.get(b.url)
         b.worker_type = kind if isinstance(kind, str) else REGULAR
+        port = ports.get(b.url)
+        b.bootstrap_port = (
+            port
+            if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536
+            else None
+        )
 
 
 def adopt(

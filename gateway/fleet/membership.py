@@ -26,6 +26,7 @@ from gateway.fleet.discovery import (
 )
 from gateway.fleet.etcd_state import EtcdState
 from gateway.fleet.health import HealthChecker, Prober
+from gateway.fleet.pd import PdRouting
 from gateway.fleet.pool import BackendPool, EjectionRules, PoolRules
 from gateway.fleet.registry import WorkerRegistry
 from gateway.fleet.shared import Change, Document, SharedState
@@ -40,17 +41,28 @@ class FleetClients(Prober, Protocol):
     def endpoint_slices(self, cfg: KubernetesConfig) -> EndpointSliceApi: ...
 
 
-def make_balancer(cfg: BackendsConfig) -> Balancer:
+def make_balancer(cfg: BackendsConfig, name: str | None = None) -> Balancer:
+    """The balancer `name` (None: backends.balancer) with the thresholds of `cfg`."""
+    name = name or cfg.balancer
     rule = BalanceRule(cfg.balance_abs_threshold, cfg.balance_rel_threshold)
-    if cfg.balancer == "cache_aware":
+    if name == "cache_aware":
         c = cfg.cache_aware
         rules = CacheAwareRules(
             rule, c.cache_threshold, c.max_blocks_per_backend, c.max_prompt_bytes
         )
         return CacheAware(rules, cfg.seed)
-    if cfg.balancer == "consistent_hash":
+    if name == "consistent_hash":
         return ConsistentHash(cfg.seed, spill=rule)
-    return BALANCERS[cfg.balancer](cfg.seed)
+    return BALANCERS[name](cfg.seed)
+
+
+def make_pd(cfg: BackendsConfig) -> PdRouting | None:
+    """backends.mode pd: each role's balancer; None for a plain fleet."""
+    if cfg.mode != "pd":
+        return None
+    return PdRouting(
+        make_balancer(cfg, cfg.prefill_balancer), make_balancer(cfg, cfg.decode_balancer)
+    )
 
 
 def pool_policy(cfg: BackendsConfig, pinned: MaskProfile | None = None) -> PoolRules:
@@ -81,12 +93,16 @@ class Fleet:
     ) -> None:
         self.cfg = cfg
         self._resolver = resolver
-        initial = cfg.static if cfg.discovery in ("static", "registry") else ()
+        initial = cfg.members if cfg.discovery in ("static", "registry") else ()
         self.pool = BackendPool(initial, make_balancer(cfg), pool_policy(cfg, pinned))
+        self.pool.pd = pd = make_pd(cfg)
+        if pd is not None:
+            pd.set_members(list(initial))
         # Kept for the gateway's life once made: a reload never forgets registered workers.
         self.registry: WorkerRegistry | None = (
-            WorkerRegistry(cfg.static) if cfg.discovery == "registry" else None
+            WorkerRegistry(cfg.members, cfg.worker_roles()) if cfg.discovery == "registry" else None
         )
+        self._type()
         self.discovery: Discovery | None = None
         self._discovery_task: asyncio.Task[None] | None = None
         self._health: HealthChecker | None = None
@@ -120,15 +136,28 @@ class Fleet:
             )
         if cfg.discovery == "registry":
             if self.registry is None:
-                self.registry = WorkerRegistry(cfg.static)
+                self.registry = WorkerRegistry(cfg.members, cfg.worker_roles())
             return self.registry
-        return StaticDiscovery(cfg.static)
+        return StaticDiscovery(cfg.members)
+
+    def _type(self) -> None:
+        """Each member's worker_type and bootstrap_port: as registered, else as
+        backends.prefill and backends.decode list it, else a regular worker."""
+        roles = self.cfg.worker_roles()
+        registry = self.registry
+        extras = {
+            b.url: {**roles.get(b.url, {}), **(registry.extras(b.url) if registry else {})}
+            for b in self.pool.backends
+        }
+        engines.typed(
+            self.pool,
+            {u: e.get("worker_type") for u, e in extras.items()},
+            {u: e.get("bootstrap_port") for u, e in extras.items()},
+        )
 
     def _publish(self, urls: tuple[str, ...]) -> None:
         added, _ = self.pool.update(urls)
-        if self.registry is not None:
-            registry = self.registry
-            engines.typed(self.pool, {u: registry.extras(u).get("worker_type") for u in urls})
+        self._type()
         if self._health is not None:
             self._health.sync(self.pool.backends)
         if self._doc is not None and added:
@@ -158,11 +187,12 @@ class Fleet:
         assert self._clients is not None and self._health is not None
         old = self.cfg
         self.cfg = cfg
-        self.pool.reconfigure(make_balancer(cfg), pool_policy(cfg, pinned))
+        self.pool.reconfigure(make_balancer(cfg), pool_policy(cfg, pinned), make_pd(cfg))
+        self._type()
         if cfg.health != old.health:
             await self._health.stop()
             self._health = HealthChecker(self.pool, self._clients, cfg.health)
-        discovery_keys = ("discovery", "static", "dns", "kubernetes")
+        discovery_keys = ("discovery", "static", "prefill", "decode", "dns", "kubernetes")
         kept_registry = cfg.discovery == "registry" and old.discovery == "registry"
         if not kept_registry and any(getattr(cfg, k) != getattr(old, k) for k in discovery_keys):
             await self._stop_discovery()

@@ -26,6 +26,7 @@ from typing import Final, Protocol
 from gateway.contract.profiles import DEFAULT_CAP, Family, MaskProfile, ServerInfo, profile_of
 from gateway.fleet.balancers import Balancer
 from gateway.fleet.cache_aware import CacheAware
+from gateway.fleet.pd import ROLES, PdRouting
 
 log = logging.getLogger("gateway.fleet.pool")
 
@@ -36,10 +37,11 @@ def worker_id(url: str) -> str:
     return hashlib.blake2b(url.encode(), digest_size=6).hexdigest()
 
 
-# Registered worker types (sglang-router's and SMG's `worker_type`). Until the gateway pairs
-# prefill with decode engines (issue 22), those get no plain traffic.
+# Registered worker types (sglang-router's and SMG's `worker_type`). Prefill and decode
+# engines get no plain traffic: with backends.mode pd a request goes to one of each
+# (gateway/edge/pd.py), else they serve none.
 REGULAR: Final = "regular"
-DISAGGREGATED: Final = frozenset({"prefill", "decode"})
+DISAGGREGATED: Final = frozenset(ROLES)
 
 
 class Health(enum.Enum):
@@ -54,6 +56,7 @@ class Backend:
     __slots__ = (
         "adapters",
         "asleep",
+        "bootstrap_port",
         "connect_failures",
         "ejected_until",
         "ejections",
@@ -105,6 +108,9 @@ class Backend:
         # What it was registered as (`worker_type`): a prefill or decode engine of a
         # disaggregated pair serves no plain request on its own.
         self.worker_type = REGULAR
+        # A prefill engine's KV bootstrap port (sglang-router's --prefill URL PORT), which
+        # its decode partner connects to; None: the engine's default.
+        self.bootstrap_port: int | None = None
         # Counts every write of weight_version: a read of the engine's version that began
         # before a write is older than it and must not replace it.
         self.version_writes = 0
@@ -166,7 +172,7 @@ class _Hold:
     """One held request: what it needs of a backend, and the future its engine is handed to
     (None: the fleet is no longer paused for it; it looks again)."""
 
-    __slots__ = ("exclude", "fits", "future", "key", "prompt")
+    __slots__ = ("exclude", "fits", "future", "key", "prompt", "role")
 
     def __init__(
         self,
@@ -174,13 +180,16 @@ class _Hold:
         key: str | None,
         fits: Fit | None,
         future: asyncio.Future[Backend | None],
+        *,
         prompt: Prompt | None,
+        role: str | None,
     ) -> None:
         self.exclude = exclude
         self.key = key
         self.fits = fits
         self.future = future
         self.prompt = prompt
+        self.role = role
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +233,8 @@ class BackendPool:
         self.backends: tuple[Backend, ...] = ()
         self._balancer = balancer
         self.prefix = balancer if isinstance(balancer, CacheAware) else None
+        # backends.mode pd: the balancer of each role and the pairs' counters; None: plain.
+        self.pd: PdRouting | None = None
         self._policy = policy
         self._clock = clock
         self._slot_waiters: deque[asyncio.Future[None]] = deque()
@@ -261,6 +272,8 @@ class BackendPool:
             b.removed = True
         self.backends = tuple(current.get(u) or fresh[u] for u in wanted)
         self._balancer.set_members(wanted)
+        if self.pd is not None:
+            self.pd.set_members(wanted)
         if added or removed:
             self._reprofile()
         if added:
@@ -276,9 +289,17 @@ class BackendPool:
             )
         return added, removed
 
-    def reconfigure(self, balancer: Balancer, policy: PoolRules) -> None:
+    def reconfigure(
+        self, balancer: Balancer, policy: PoolRules, pd: PdRouting | None = None
+    ) -> None:
         """Swap rules on reload; backend state is kept."""
-        balancer.set_members([b.url for b in self.backends])
+        urls = [b.url for b in self.backends]
+        balancer.set_members(urls)
+        if pd is not None:
+            pd.set_members(urls)
+            if self.pd is not None:
+                pd.inherit(self.pd)
+        self.pd = pd
         prefix = balancer if isinstance(balancer, CacheAware) else None
         if prefix is not None and self.prefix is not None:
             prefix.inherit(self.prefix)
@@ -303,6 +324,8 @@ class BackendPool:
         self._reprofile()
         if self.prefix is not None:
             self.prefix.forget(b.url)  # and its prefix cache with it
+        if self.pd is not None:
+            self.pd.forget(b.url)
 
     def _reprofile(self) -> None:
         # A backend of unknown release gets every known rule at once, with the smallest cap
@@ -326,10 +349,16 @@ class BackendPool:
             return False
         return b.health is Health.HEALTHY or not self._policy.probation
 
-    def routable(self, b: Backend, now: float) -> bool:
+    def routable(self, b: Backend, now: float, role: str | None = None) -> bool:
         """May take a new request at `now` (concurrency aside): available, neither paused
-        nor asleep, and a plain worker. The one rule pick, saturation and the metrics read."""
-        return self.available(b, now) and not b.paused and not b.asleep and b.plain
+        nor asleep, and a plain worker (with a `role`: a worker of that type). The one rule
+        pick, saturation and the metrics read."""
+        return (
+            self.available(b, now)
+            and not b.paused
+            and not b.asleep
+            and (b.plain if role is None else b.worker_type == role)
+        )
 
     def wake_waiters(self) -> None:
         """Capacity came back (a backend continued or resumed): let every waiter look, and
@@ -350,27 +379,34 @@ class BackendPool:
         *,
         fits: Fit | None = None,
         prompt: Prompt | None = None,
+        role: str | None = None,
     ) -> Backend | None:
         """A routable backend below its concurrency cap (and one that `fits` the request:
         the weights it asks for, a mask it can serve), or None. With cache_aware, `prompt`
-        (the body and where its prompt starts) picks among them."""
+        (the body and where its prompt starts) picks among them. With a `role` (prefill,
+        decode), a worker of that type, by that role's balancer."""
         now = self._clock()
         cap = self._policy.max_inflight
         candidates = [
             b
             for b in self.backends
-            if self.routable(b, now)
+            if self.routable(b, now, role)
             and (cap is None or b.inflight < cap)
             and b not in exclude
             and (fits is None or fits(b))
         ]
         if not candidates:
             return None
-        if prompt is not None and self.prefix is not None:
-            return self.prefix.choose_prompt(candidates, *prompt)
-        return self._balancer.choose(candidates, key)
+        balancer = self._balancer
+        prefix = self.prefix
+        if role is not None and self.pd is not None:
+            balancer = self.pd.balancer(role)
+            prefix = balancer if isinstance(balancer, CacheAware) else None
+        if prompt is not None and prefix is not None:
+            return prefix.choose_prompt(candidates, *prompt)
+        return balancer.choose(candidates, key)
 
-    def saturated(self, exclude: Sequence[Backend] = ()) -> bool:
+    def saturated(self, exclude: Sequence[Backend] = (), role: str | None = None) -> bool:
         """Some routable backend exists but all of them are at their concurrency cap.
 
         Then waiting briefly for a slot makes sense; otherwise nothing will come.
@@ -378,7 +414,7 @@ class BackendPool:
         if self._policy.max_inflight is None:
             return False
         now = self._clock()
-        return any(self.routable(b, now) and b not in exclude for b in self.backends)
+        return any(self.routable(b, now, role) and b not in exclude for b in self.backends)
 
     async def acquire(
         self,
@@ -390,6 +426,7 @@ class BackendPool:
         prompt: Prompt | None = None,
         hold_s: float = 0.0,
         hold_bytes: int = 0,
+        role: str | None = None,
     ) -> Backend | None:
         """Take a slot on a backend for the next attempt: picked and counted in flight.
 
@@ -399,10 +436,10 @@ class BackendPool:
         `hold_bytes`, charged to hold_memory meanwhile): HoldRefused when it is not held or
         its hold runs out.
         """
-        backend = self.pick(exclude, key, fits=fits, prompt=prompt)
+        backend = self.pick(exclude, key, fits=fits, prompt=prompt, role=role)
         if backend is None:
             return await self._wait(
-                exclude, key, fits, wait_s, hold=(hold_s, hold_bytes), prompt=prompt
+                exclude, key, fits, wait_s, hold=(hold_s, hold_bytes), prompt=prompt, role=role
             )
         backend.inflight += 1
         return backend
@@ -416,6 +453,7 @@ class BackendPool:
         *,
         hold: tuple[float, int],
         prompt: Prompt | None = None,
+        role: str | None = None,
     ) -> Backend | None:
         """The slow path of acquire: a held request, or one waiting for a free slot, until
         it has a backend (counted in flight) or none is to come."""
@@ -424,12 +462,14 @@ class BackendPool:
         slot_deadline: float | None = None
         hold_deadline: float | None = None
         while True:
-            engines = self._paused_for(exclude, fits)
+            engines = self._paused_for(exclude, fits, role)
             if engines:
                 if hold_deadline is None:
                     hold_deadline = self._start_hold(engines, hold_s, hold_bytes)
                     try:
-                        backend = await self._hold(exclude, key, fits, hold_deadline, prompt)
+                        backend = await self._hold(
+                            exclude, key, fits, hold_deadline, prompt=prompt, role=role
+                        )
                     finally:
                         if hold_bytes and self.hold_memory is not None:
                             self.hold_memory.release(hold_bytes)
@@ -437,11 +477,13 @@ class BackendPool:
                     # Paused again after its hold ended (a continue, then a pause before
                     # it looked): the rest of its hold, its body no longer charged.
                     self.hold_counts["held"] += 1
-                    backend = await self._hold(exclude, key, fits, hold_deadline, prompt)
+                    backend = await self._hold(
+                        exclude, key, fits, hold_deadline, prompt=prompt, role=role
+                    )
                 if backend is not None:
                     return backend
                 continue  # no longer held: busy engines, or none at all
-            if wait_s <= 0 or not self.saturated(exclude):
+            if wait_s <= 0 or not self.saturated(exclude, role):
                 return None
             if slot_deadline is None:
                 slot_deadline = loop.time() + wait_s
@@ -457,20 +499,28 @@ class BackendPool:
             finally:
                 if not waiter.done():
                     waiter.cancel()
-            backend = self.pick(exclude, key, fits=fits, prompt=prompt)
+            backend = self.pick(exclude, key, fits=fits, prompt=prompt, role=role)
             if backend is not None:
                 backend.inflight += 1
                 return backend
 
     # -- holds for a paused fleet ----------------------------------------------------------
 
-    def _paused_for(self, exclude: Sequence[Backend], fits: Fit | None) -> int:
-        """How many working engines that are paused or asleep could serve the request, when
-        no routable one could (busy or not); else 0: it is not for a hold."""
+    def _paused_for(
+        self, exclude: Sequence[Backend], fits: Fit | None, role: str | None = None
+    ) -> int:
+        """How many working engines that are paused or asleep could serve the request (plain
+        workers, or with a `role` workers of that type), when no routable one could (busy or
+        not); else 0: it is not for a hold."""
         now = self._clock()
         paused = 0
         for b in self.backends:
-            if b in exclude or not self.available(b, now) or (fits is not None and not fits(b)):
+            if (
+                b in exclude
+                or not (b.plain if role is None else b.worker_type == role)
+                or not self.available(b, now)
+                or (fits is not None and not fits(b))
+            ):
                 continue
             if not (b.paused or b.asleep):
                 return 0  # a routable engine serves it: a wait for a slot, if any
@@ -506,14 +556,16 @@ class BackendPool:
         key: str | None,
         fits: Fit | None,
         deadline: float,
+        *,
         prompt: Prompt | None = None,
+        role: str | None = None,
     ) -> Backend | None:
         """Wait in the holds until handed an engine (counted in flight), or None once the
         fleet is no longer paused for the request; HoldRefused when `deadline` passes."""
         loop = asyncio.get_running_loop()
         counts = self.hold_counts
         future: asyncio.Future[Backend | None] = loop.create_future()
-        self._holds.append(_Hold(exclude, key, fits, future, prompt))
+        self._holds.append(_Hold(exclude, key, fits, future, prompt=prompt, role=role))
         self.holding += 1
         try:
             async with asyncio.timeout(deadline - loop.time()):
@@ -561,11 +613,11 @@ class BackendPool:
             future = h.future
             if future.done():
                 continue
-            backend = self.pick(h.exclude, h.key, fits=h.fits, prompt=h.prompt)
+            backend = self.pick(h.exclude, h.key, fits=h.fits, prompt=h.prompt, role=h.role)
             if backend is not None:
                 backend.inflight += 1  # now, so the next one's pick sees it
                 future.set_result(backend)
-            elif self._paused_for(h.exclude, h.fits):
+            elif self._paused_for(h.exclude, h.fits, h.role):
                 kept.append(h)
             else:
                 future.set_result(None)

@@ -24,10 +24,14 @@ class WorkerRegistry:
     name = "registry"
     causes: tuple[str, ...] = ()  # callers are refused (RegistryError); its answers never fail
 
-    def __init__(self, seed: Sequence[str] = ()) -> None:
+    def __init__(
+        self, seed: Sequence[str] = (), seed_extras: Mapping[str, Mapping[str, Any]] | None = None
+    ) -> None:
         # url -> what the caller registered with it besides the URL (worker_type,
-        # bootstrap_port, ...), kept and shown back as given.
-        self._workers: dict[str, dict[str, Any]] = {url: {} for url in seed}
+        # bootstrap_port, ...), kept and shown back as given. The seed's come from
+        # backends.prefill and backends.decode.
+        extras = seed_extras or {}
+        self._workers: dict[str, dict[str, Any]] = {url: dict(extras.get(url, {})) for url in seed}
         self._publish: Publish | None = None
         self.updates = 0
         self.errors: dict[str, int] = {}

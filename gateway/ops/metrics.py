@@ -39,6 +39,7 @@ from gateway.contract.policy import SAMPLING_MASK
 from gateway.contract.replies import Outcome
 from gateway.contract.routes import CONTROL_ROUTES
 from gateway.fleet.cache_aware import DECISIONS, RouteStats
+from gateway.fleet.pd import ROLES, RoleStats
 from gateway.fleet.pool import HOLD_EVENTS, BackendPool, Health
 from gateway.ops import logs
 from gateway.ops.observe import Exchange
@@ -118,6 +119,7 @@ REJECTION_REASONS: Final = (
     ("request_body", "too_costly"),
     ("request_body", "inspection_busy"),
     ("routing", "disaggregated_only"),
+    ("routing", "pd_unsupported"),
     (SAMPLING_MASK, "invalid_top_k"),
     (SAMPLING_MASK, "parallel_mask_list"),
     (SAMPLING_MASK, "missing_meta_info"),
@@ -371,6 +373,56 @@ class _CacheAwareCollector(Collector):
         )
 
 
+class _PdCollector(Collector):
+    """What became of prefill/decode pairs (gateway/fleet/pd.py), read at scrape time; no
+    series on a plain fleet."""
+
+    def __init__(self, pool: BackendPool) -> None:
+        self._pool = pool
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self._families())
+
+    def collect(self) -> Iterable[Metric]:
+        pd = self._pool.pd
+        if pd is None:
+            return ()
+        families = self._families()
+        pairs, failures, by_worker = families
+        pairs.add_metric([], float(pd.pairs))
+        for (side, cause), n in pd.failures.items():
+            failures.add_metric([side, cause], float(n))
+        for b in self._pool.backends:
+            if b.worker_type not in ROLES:
+                continue
+            stats = pd.stats.get(b.url) or RoleStats()
+            by_worker.add_metric([b.url, b.worker_type, "paired"], float(stats.paired))
+            by_worker.add_metric([b.url, b.worker_type, "failed"], float(stats.failed))
+        return families
+
+    @staticmethod
+    def _families() -> tuple[CounterMetricFamily, CounterMetricFamily, CounterMetricFamily]:
+        p = PREFIX + "pd_"
+        return (
+            CounterMetricFamily(
+                p + "pairs", "Requests sent to a prefill and a decode worker together."
+            ),
+            CounterMetricFamily(
+                p + "failures",
+                "Paired requests that failed, by the side that failed and why: no_worker (none "
+                "of the role routable), connect, timeout, error_status (it answered non-2xx), "
+                "broken (it dropped the exchange).",
+                labels=["side", "cause"],
+            ),
+            CounterMetricFamily(
+                p + "worker_requests",
+                "Paired requests per worker and role: paired (it served its side), failed "
+                "(its side failed).",
+                labels=["backend", "role", "result"],
+            ),
+        )
+
+
 class Metrics(Collector):
     """The gateway's request metrics (an observer of finished exchanges) and its registry."""
 
@@ -478,6 +530,7 @@ class Metrics(Collector):
         self.registry.register(self)
         self.registry.register(_BackendCollector(pool))
         self.registry.register(_CacheAwareCollector(pool))
+        self.registry.register(_PdCollector(pool))
         # The standard process_* and python_* families, on this registry (not the global).
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)

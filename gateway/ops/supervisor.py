@@ -142,7 +142,7 @@ class Supervisor:
         # The fleet state the workers share (gateway/fleet/shared.py): registry members and
         # engine states live here, so a restarted worker finds them.
         self.fleet_state = self._dir / "fleet.json"
-        write_document(self.fleet_state, new_document(list(cfg.backends.static)))
+        write_document(self.fleet_state, new_document(cfg.backends.members))
         self.reloads = 0
         self.reload_failures = 0
         self._reload_lock = asyncio.Lock()
@@ -170,7 +170,7 @@ class Supervisor:
                 # Registry discovery turned on: every worker starts from the new seed.
                 try:
                     await asyncio.to_thread(
-                        reseed, self.fleet_state, list(cfg.backends.static), len(self.workers)
+                        reseed, self.fleet_state, cfg.backends.members, len(self.workers)
                     )
                 except OSError as exc:
                     log.error(

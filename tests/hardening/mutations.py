@@ -362,8 +362,8 @@ MUTATIONS = [
     (
         "paused engines still routable",
         "gateway/fleet/pool.py",
-        "        return self.available(b, now) and not b.paused and not b.asleep",
-        "        return self.available(b, now)",
+        "            and not b.paused\n            and not b.asleep\n",
+        "",
         [
             "tests/edge/test_control.py::test_paused_engines_get_no_new_requests_and_weight_versions_are_tracked"
         ],
@@ -1165,8 +1165,8 @@ MUTATIONS = [
     (
         "a prefill worker takes plain traffic",
         "gateway/fleet/pool.py",
-        "and not b.paused and not b.asleep and b.plain",
-        "and not b.paused and not b.asleep",
+        "            and (b.plain if role is None else b.worker_type == role)\n        )",
+        "            and (True if role is None else b.worker_type == role)\n        )",
         ["tests/edge/test_fanout.py::test_a_prefill_worker_never_gets_plain_traffic"],
     ),
     (

@@ -818,6 +818,7 @@ REFUSALS = {
     ("registry", "not_found"),
     ("lora", "adapter_not_loaded"),
     ("routing", "disaggregated_only"),
+    ("routing", "pd_unsupported"),
     ("parallel_sampling", "n_too_large"),
     *(
         ("request_body", r)

@@ -51,6 +51,7 @@ from gateway.testing.stub.faults import (
     padded_rows,
 )
 from gateway.testing.stub.logprobs import Ask, Logprobs, openai_chat, openai_completion, prompt_ids
+from gateway.testing.stub.pd import PdStub
 from gateway.testing.stub.rules import (
     GENERATION_PATHS,
     Item,
@@ -169,8 +170,12 @@ class StubBackend:
         speculative_algorithm: str | None = None,
         weight_version_route: bool = True,
         prefix_cache: PrefixCache | None = None,
+        pd: PdStub | None = None,
     ) -> None:
         self.model = model
+        # One half of a prefill/decode pair (gateway/testing/stub/pd.py); None: a regular
+        # engine, which takes requests without bootstrap keys.
+        self.pd = pd
         # SGLang's radix cache in miniature (gateway/testing/stub/cache.py); None: none, and
         # every cached_tokens is 0.
         self.prefix_cache = prefix_cache
@@ -268,6 +273,8 @@ class StubBackend:
             ("POST", "/flush_cache", self._flush_cache),
             ("GET", "/metrics", self._metrics),
         ]
+        if self.pd is not None:
+            routes.append(("GET", "/stub/pd", self._pd_state))
         for method, path, handler in routes:
             app.router.add_route(method, path, handler)
         app.on_response_prepare.append(self._stamp)
@@ -294,6 +301,8 @@ class StubBackend:
         self._runner = runner
         self._host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         self._port = int(runner.addresses[0][1])
+        if self.pd is not None:
+            await self.pd.start(host)
         return self._port
 
     async def stop(self) -> None:
@@ -301,6 +310,8 @@ class StubBackend:
             self._stopping = True
             runner, self._runner = self._runner, None
             await runner.cleanup()
+        if self.pd is not None:
+            await self.pd.stop()
 
     @property
     def serving(self) -> bool:
@@ -392,7 +403,11 @@ class StubBackend:
             response = self._route_error(request)
         else:
             try:
+                if gen and self.pd is not None:
+                    await self.pd.serve(request.path, await request.read())
                 response = await handler(request)
+                if self.pd is not None:
+                    self.pd.finish(response)
             except Reject as exc:
                 response = error(request.path, exc.message, exc.status, parse=exc.parse)
 
@@ -751,6 +766,13 @@ class StubBackend:
         )
 
     # --- operational routes --------------------------------------------------------------
+
+    async def _pd_state(self, request: web.Request) -> web.StreamResponse:
+        """The rooms this half of a pair took part in, for a check across processes."""
+        pd = self.pd
+        assert pd is not None
+        state = {"role": pd.role, "rooms": pd.rooms, "failed": pd.failed}
+        return json_response(state | {"handed_over": pd.handed_over})
 
     async def _health(self, request: web.Request) -> web.StreamResponse:
         if self.health_delay_s > 0:
@@ -1121,6 +1143,21 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0.0,
         help="prefill time per uncached prompt token, queued per engine (default 0: none)",
     )
+    parser.add_argument(
+        "--pd-role",
+        choices=("prefill", "decode"),
+        default=None,
+        help="one half of a prefill/decode pair (default: a regular engine)",
+    )
+    parser.add_argument(
+        "--bootstrap-port",
+        type=int,
+        default=8998,
+        help="a prefill stub's bootstrap port, where decode stubs fetch each room (8998)",
+    )
+    parser.add_argument(
+        "--prefill-ms", type=int, default=0, help="a prefill stub's work per request (0)"
+    )
     return parser.parse_args(argv)
 
 
@@ -1150,6 +1187,11 @@ async def _serve(args: argparse.Namespace) -> None:
         sampling_mask_max_tokens=args.sampling_mask_max_tokens,
         speculative_algorithm=args.speculative_algorithm,
         prefix_cache=_prefix_cache(args),
+        pd=None
+        if args.pd_role is None
+        else PdStub(
+            args.pd_role, bootstrap_port=args.bootstrap_port, prefill_s=args.prefill_ms / 1000
+        ),
     )
     host = f"[{args.host}]" if ":" in args.host else args.host
     # Signals first: a SIGTERM right after the banner below must stop, not kill.
@@ -1160,6 +1202,8 @@ async def _serve(args: argparse.Namespace) -> None:
             admin, admin_port = await start_admin(stub, args.host, args.admin_port)
             stack.push_async_callback(admin.cleanup)
             print(f"stub admin on http://{host}:{admin_port} (/livez, /readyz)", flush=True)
+        if stub.pd is not None and stub.pd.role == "prefill":
+            print(f"stub bootstrap on port {stub.pd.bootstrap_port}", flush=True)
         # Printed last: once it shows, every listener is up.
         print(f"stub listening on http://{host}:{port}", flush=True)
         await signals.wait()
