@@ -117,6 +117,17 @@ def working_set(jobs: list[Job], block_tokens: int = 16) -> int:
     return cache.held_tokens
 
 
+def ceiling(jobs: list[Job], block_tokens: int = 16) -> float:
+    """The best hit rate any router could reach: one engine with an unbounded cache serving
+    the trace one job at a time (a prompt hits all that any earlier one shared with it)."""
+    cache = PrefixCache(1 << 40, block_tokens)
+    for job in jobs:
+        for step in job:
+            for prompt in step:
+                cache.admit(prompt.split())
+    return cache.cached_tokens_total / cache.prompt_tokens_total if cache.prompt_tokens_total else 0
+
+
 def write(jobs: list[Job], path: Path) -> None:
     """One job per line, for replay by another client."""
     path.write_text("".join(json.dumps(job) + "\n" for job in jobs))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import routing_trace
+from bench import routing_replay, routing_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,3 +68,13 @@ def test_the_working_set_counts_a_shared_prefix_once() -> None:
     system = " ".join(f"s{i}" for i in range(64))
     jobs = [[[system + " a" * 16]], [[system + " b" * 16]]]
     assert routing_trace.working_set(jobs) == 64 + 16 + 16
+
+
+def test_the_replay_runs_the_balancers_over_the_stub_cache() -> None:
+    shape = routing_trace.Shape(sessions=6, turns=4, groups=6, shared_clients=40)
+    jobs = routing_trace.make("mix", 22, shape)
+    aware = routing_replay.replay(routing_replay.cache_aware({}), jobs, 4096)
+    spread = routing_replay.replay(routing_replay.RoundRobin(), jobs, 4096)
+    assert spread["imbalance_requests"] < 1.05
+    assert aware["hit_rate"] > spread["hit_rate"] > 0
+    assert set(aware["hit_rate_by_shape"]) == {"agents", "grpo", "shared"}
