@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from gateway.testing.stub.cache import PrefixCache
+
 Job = list[list[str]]
 
 
@@ -94,6 +96,36 @@ def make(workload: str, seed: int = 22, shape: Shape = Shape()) -> list[Job]:
 
 def requests_in(jobs: list[Job]) -> int:
     return sum(len(step) for job in jobs for step in job)
+
+
+def shape_of(job: Job) -> str:
+    """Which workload a job of the mix came from, by its form."""
+    if len(job) > 1:
+        return "agents"
+    return "grpo" if len(job[0]) > 1 else "shared"
+
+
+def working_set(jobs: list[Job], block_tokens: int = 16) -> int:
+    """The trace's distinct prompt tokens, counted as the stub caches them (whole blocks of
+    `block_tokens`, a shared prefix once): what one engine would hold to serve it all from
+    cache."""
+    cache = PrefixCache(1 << 40, block_tokens)
+    for job in jobs:
+        for step in job:
+            for prompt in step:
+                cache.admit(prompt.split())
+    return cache.held_tokens
+
+
+def ceiling(jobs: list[Job], block_tokens: int = 16) -> float:
+    """The best hit rate any router could reach: one engine with an unbounded cache serving
+    the trace one job at a time (a prompt hits all that any earlier one shared with it)."""
+    cache = PrefixCache(1 << 40, block_tokens)
+    for job in jobs:
+        for step in job:
+            for prompt in step:
+                cache.admit(prompt.split())
+    return cache.cached_tokens_total / cache.prompt_tokens_total if cache.prompt_tokens_total else 0
 
 
 def write(jobs: list[Job], path: Path) -> None:

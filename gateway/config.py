@@ -249,8 +249,9 @@ class PrefillWorker(_Model):
 class CacheAwareConfig(_Model):
     """backends.balancer: cache_aware (gateway/fleet/cache_aware.py)."""
 
-    # A match shorter than this share of the prompt goes to the least loaded backend.
-    cache_threshold: Annotated[float, Field(ge=0, le=1)] = 0.3
+    # A match shorter than this share of the prompt goes to the least loaded backend
+    # (sglang-router's default is 0.3; why half: gateway/fleet/cache_aware.py).
+    cache_threshold: Annotated[float, Field(ge=0, le=1)] = 0.5
     # Prompt-prefix blocks remembered per backend (~100 bytes each), oldest evicted first.
     max_blocks_per_backend: Annotated[int, Field(ge=16, le=1 << 24)] = 32768
     # Bytes of each prompt matched: bounds the per-request cost (~1 us per KB).

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import routing_trace
+from bench import routing_replay, routing_trace
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,9 +43,38 @@ def test_routing_bench_smoke_runs(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (result,) = tmp_path.glob("routing-*-smoke.json")
-    runs = json.loads(result.read_text())["runs"]
+    data = json.loads(result.read_text())
+    runs = data["runs"]
     assert len(runs) == 6
     for run in runs:
         assert run["status"] == "ok" or run["status"].startswith("skipped"), run
         if run["status"] == "ok":
             assert run["errors"] == 0 and run["requests"] > 0
+    # Each engine caches a set share of the trace's working set, and the tables summarise it.
+    meta = data["meta"]["per_seed"]["22"]
+    assert meta["engine_cache_tokens"] == max(
+        2048, int(data["meta"]["cache_ratio"] * meta["working_set_tokens"])
+    )
+    assert {(r["workload"], r["router"], r["policy"]) for r in data["summary"]} >= {
+        ("mix", "gateway", "cache_aware"),
+        ("shared", "gateway", "cache_aware"),
+    }
+    assert "Issue 22's bar" in next(tmp_path.glob("routing-*-smoke.md")).read_text() or not [
+        r for r in runs if r["router"] == "sglang-router" and r["status"] == "ok"
+    ]
+
+
+def test_the_working_set_counts_a_shared_prefix_once() -> None:
+    system = " ".join(f"s{i}" for i in range(64))
+    jobs = [[[system + " a" * 16]], [[system + " b" * 16]]]
+    assert routing_trace.working_set(jobs) == 64 + 16 + 16
+
+
+def test_the_replay_runs_the_balancers_over_the_stub_cache() -> None:
+    shape = routing_trace.Shape(sessions=6, turns=4, groups=6, shared_clients=40)
+    jobs = routing_trace.make("mix", 22, shape)
+    aware = routing_replay.replay(routing_replay.cache_aware({}), jobs, 4096)
+    spread = routing_replay.replay(routing_replay.RoundRobin(), jobs, 4096)
+    assert spread["imbalance_requests"] < 1.05
+    assert aware["hit_rate"] > spread["hit_rate"] > 0
+    assert set(aware["hit_rate_by_shape"]) == {"agents", "grpo", "shared"}

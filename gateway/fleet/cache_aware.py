@@ -10,6 +10,12 @@ prefix from collapsing the fleet onto one engine:
   system prompt has spilled onto a second backend, both share its traffic.
 A match shorter than `cache_threshold` of the prompt is no reason to go anywhere: the
 request goes to the least loaded backend (sglang-router: the one with the smallest tree).
+The default is half: a request that would reuse less than it brings new is mostly new work,
+and where it lands is where its conversation will live, so load decides. With sglang-router's
+0.3, a short system prompt shared by many agents (100 words before a 60-120-word first
+message) pulled every new conversation onto its one holder until the balance rule tripped,
+and with KV-bounded caches that engine evicted: in bench/routing.py (docs/bench.md) 0.5 kept
+the mixed trace's worst seed at 0.80 where 0.3 fell to 0.77.
 Either way the prompt is recorded as served by the chosen backend (gateway/fleet/prefix_index.py).
 
 Requests whose prompt the gateway did not locate (routes that are not inspected, a body
@@ -36,7 +42,7 @@ DECISIONS: Final = (MATCHED, BALANCED, UNMATCHED, NO_PROMPT)
 @dataclass(frozen=True, slots=True)
 class CacheAwareRules:
     balance: BalanceRule = field(default_factory=BalanceRule)
-    cache_threshold: float = 0.3  # sglang-router's default
+    cache_threshold: float = 0.5  # sglang-router's is 0.3: see the module's docstring
     max_blocks_per_backend: int = 32768
     max_prompt_bytes: int = 256 << 10
 

@@ -36,6 +36,7 @@ DASHBOARD = MONITORING / "dashboard.json"
 RENDER = ROOT / "scripts" / "render-dashboard.py"
 JOB = "sglang-gateway"
 WORKERS_JOB = "sglang-gateway-workers"
+ENGINES_JOB = "sglang-engines"  # the engines' own /metrics, as an operator scrapes them
 OPERATOR = "op-key-monitoring"
 JSON = {"Content-Type": "application/json"}
 PLAIN = orjson.dumps({"text": "hi", "sampling_params": {"top_k": 2}})
@@ -49,6 +50,10 @@ SCRAPE_ACCEPT = (
     "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
 )
 SELECTOR = re.compile(r"\b((?:sglang_gateway|process|python)_\w+)(\{[^}]*\})?")
+# The engines' series (SGLang's names), read by the prefix-cache panels.
+ENGINE_SELECTOR = re.compile(r"\b(sglang:\w+)(\{[^}]*\})?")
+# A prompt long enough for cache_aware's blocks, sent twice to see a match and a hit.
+CACHED = orjson.dumps({"text": " ".join(f"w{i}" for i in range(300)), "sampling_params": {}})
 
 
 def tool(name: str) -> str:
@@ -151,7 +156,7 @@ def test_dashboard_imports_anywhere() -> None:
     found = variables()
     assert found["datasource"]["type"] == "datasource"
     assert found["datasource"]["query"] == "prometheus"
-    for name in ("job", "instance"):
+    for name in ("job", "instance", "engine_job"):
         assert found[name]["type"] == "query"
         assert found[name]["datasource"]["uid"] == "${datasource}"
         assert found[name]["query"].startswith("label_values(")
@@ -174,12 +179,15 @@ def test_every_panel_queries_the_chosen_gateways() -> None:
             assert target["expr"].strip(), title
             assert target["datasource"]["uid"] == "${datasource}", title
             selectors = SELECTOR.findall(target["expr"])
-            assert selectors, title
+            engine = ENGINE_SELECTOR.findall(target["expr"])
+            assert selectors or engine, title
             # Every series read is narrowed by both variables, or a panel would mix in
-            # gateways the viewer did not pick.
+            # gateways the viewer did not pick; an engine's by the engine jobs picked.
             for metric, matchers in selectors:
                 assert 'job=~"$job"' in matchers, (title, metric)
                 assert 'instance=~"$instance"' in matchers, (title, metric)
+            for metric, matchers in engine:
+                assert 'job=~"$engine_job"' in matchers, (title, metric)
 
 
 # -- live: a gateway, its backends and Prometheus as real processes -----------------------
@@ -223,14 +231,14 @@ class Prometheus:
 
 
 @contextlib.asynccontextmanager
-async def prometheus(tmp_path: Path, admin_port: int) -> AsyncIterator[str]:
+async def prometheus(tmp_path: Path, admin_port: int, engines: list[str]) -> AsyncIterator[str]:
     """Debian's prometheus on its own port and storage, scraping the admin listener every
     second and evaluating rules.yaml every second.
 
     Two more scrape jobs read the same listener into job WORKERS_JOB, one labelling it
     worker="0" and the other worker="1": the series a `--workers 2` gateway exposes (its
     supervisor adds `worker` to every sample), for queries that must not double count or
-    fail to match with them.
+    fail to match with them. Job ENGINES_JOB scrapes the engines themselves.
     """
     port = free_port()
     target = f"127.0.0.1:{admin_port}"
@@ -251,6 +259,12 @@ async def prometheus(tmp_path: Path, admin_port: int) -> AsyncIterator[str]:
                 "scrape_configs": [
                     {"job_name": JOB, "static_configs": [{"targets": [target]}]},
                     *workers,
+                    {
+                        "job_name": ENGINES_JOB,
+                        "static_configs": [
+                            {"targets": [url.removeprefix("http://") for url in engines]}
+                        ],
+                    },
                 ],
             }
         )
@@ -393,7 +407,9 @@ async def test_every_panel_has_data_from_a_live_gateway(tmp_path: Path) -> None:
     promtool = tool("promtool")
     tool("prometheus")
     (steady, steady_url), (doomed, doomed_url) = await asyncio.gather(
-        start_stub_process(), start_stub_process()
+        # With a prefix cache, so the engines count cached and prompt tokens.
+        start_stub_process("--prefix-cache-tokens", "4096"),
+        start_stub_process("--prefix-cache-tokens", "4096"),
     )
     config = yaml.safe_dump(
         {
@@ -401,8 +417,10 @@ async def test_every_panel_has_data_from_a_live_gateway(tmp_path: Path) -> None:
             "admin": {"host": "127.0.0.1", "port": 0},
             "backends": {
                 "static": [steady_url, doomed_url],
-                # Alternating, so the backend that dies is sure to be tried and ejected.
-                "balancer": "round_robin",
+                # For its decision counters. Prompts too short for a block (the scripted
+                # traffic's) rotate over the backends, so the one that dies is sure to be
+                # tried and ejected.
+                "balancer": "cache_aware",
                 "health": {"interval_s": 0.5, "timeout_s": 1, "unhealthy_threshold": 2},
                 # Ejected for 3 s: long enough for scrapes a second apart to see it.
                 "passive": {"base_eject_s": 3, "max_eject_s": 3},
@@ -414,7 +432,7 @@ async def test_every_panel_has_data_from_a_live_gateway(tmp_path: Path) -> None:
     try:
         async with (
             gateway_process(config, tmp_path) as gw,
-            prometheus(tmp_path, gw.admin) as prom_url,
+            prometheus(tmp_path, gw.admin, [steady_url, doomed_url]) as prom_url,
             aiohttp.ClientSession() as session,
         ):
             base = f"http://127.0.0.1:{gw.port}"
@@ -422,10 +440,11 @@ async def test_every_panel_has_data_from_a_live_gateway(tmp_path: Path) -> None:
             admin = f"http://{target}"
             prom = Prometheus(session, prom_url)
             await backends_known(session, admin, 2)
-            # Every scrape job (the gateway, and the two posing as its workers) has read
-            # the counters at 0 before the first event, or increase() would miss it there.
+            # Every scrape job (the gateway, the two posing as its workers, and the two
+            # engines) has read the counters at 0 before the first event, or increase()
+            # would miss it there.
             async with asyncio.timeout(10):
-                while len(await prom.query("up == 1", time.time())) < 3:
+                while len(await prom.query("up == 1", time.time())) < 3 + 2:
                     await asyncio.sleep(0.2)
             began = time.time()
 
@@ -443,6 +462,12 @@ async def test_every_panel_has_data_from_a_live_gateway(tmp_path: Path) -> None:
             # that mark it unhealthy: the next request to it must be a refused connect.
             await asyncio.sleep(0.1)
             await traffic(session, base, rounds=8)
+            # One prompt twice, to the backend left: cache_aware matches the second where it
+            # sent the first, and that engine reports it cached.
+            for _ in range(2):
+                async with session.post(f"{base}/generate", data=CACHED, headers=JSON) as r:
+                    assert r.status == 200, await r.text()
+                    assert "cached_tokens" in (await r.json())["meta_info"]
             await asyncio.sleep(2.5)  # two more scrapes and rule evaluations
             now = time.time()
 
@@ -460,8 +485,11 @@ async def test_every_panel_has_data_from_a_live_gateway(tmp_path: Path) -> None:
                 instances = await prom.label_values(substitute(found["instance"]["query"], values))
                 assert instances == [target]
                 values["instance"] = grafana_regex(instances)
+                engine_jobs = await prom.label_values(found["engine_job"]["query"])
+                assert engine_jobs == [ENGINES_JOB]
+                values["engine_job"] = grafana_regex(engine_jobs)
                 data[job] = await panel_data(prom, values | builtins, now)
-            every = {"job": found["job"]["allValue"], "instance": found["instance"]["allValue"]}
+            every = {name: found[name]["allValue"] for name in ("job", "instance", "engine_job")}
             await panel_data(prom, every | builtins, now)
 
             # What the scripted traffic did shows where the panels say it does.
@@ -486,6 +514,15 @@ async def test_every_panel_has_data_from_a_live_gateway(tmp_path: Path) -> None:
             # only the first is the backend's own 5xx. One 503 in five forwarded requests.
             assert 0 < most("Backend 5xx ratio", backend=steady_url) < 0.5
             assert most("Passive ejections by backend", backend=doomed_url) > 0
+            # The second of the two long prompts was matched and hit: the engines' figure and
+            # the gateway's estimate are both above 0, and below 1 (the short prompts miss).
+            for job in jobs:
+                for rate in values_of(data[job], "Prefix-cache hit rate"):
+                    assert 0 < rate < 1, data[job]["Prefix-cache hit rate"]
+            assert 0 < max(values_of(data[JOB], "Prefix-cache hit rate by engine")) < 1
+            decided = "cache_aware decisions by backend"
+            assert most(decided, decision="matched") > 0
+            assert most(decided, decision="no_prompt") > 0
             codes = {
                 s["metric"]["status_code"]: float(s["value"][1])
                 for s in data[JOB]["Top status codes"]
