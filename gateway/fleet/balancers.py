@@ -11,7 +11,7 @@ import bisect
 import hashlib
 import itertools
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -76,17 +76,23 @@ class LeastInflight:
         self._counter = itertools.count(seed or 0)
 
     def choose(self, candidates: Sequence[C], key: str | None) -> C:
-        n = len(candidates)
-        start = next(self._counter) % n
-        best = candidates[start]
-        for i in range(1, n):
-            b = candidates[(start + i) % n]
-            if b.inflight < best.inflight:
-                best = b
-        return best
+        return least_loaded(candidates, self._counter)
 
     def set_members(self, urls: Sequence[str]) -> None:
         pass
+
+
+def least_loaded(candidates: Sequence[C], turns: Iterator[int]) -> C:
+    """The candidate with the fewest requests in flight; ties rotate by `turns`, so an idle
+    fleet still spreads requests instead of piling on the first."""
+    n = len(candidates)
+    start = next(turns) % n
+    best = candidates[start]
+    for i in range(1, n):
+        b = candidates[(start + i) % n]
+        if b.inflight < best.inflight:
+            best = b
+    return best
 
 
 class PowerOfTwo:

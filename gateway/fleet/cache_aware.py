@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from gateway.fleet.balancers import BalanceRule, C
+from gateway.fleet.balancers import BalanceRule, C, least_loaded
 from gateway.fleet.prefix_index import PrefixIndex, block_names
 
 MATCHED: Final = "matched"  # the longest match won
@@ -90,15 +90,7 @@ class CacheAware:
         return self._index.blocks(url)
 
     def _least_loaded(self, candidates: Sequence[C]) -> C:
-        # Ties rotate, as in LeastInflight.
-        n = len(candidates)
-        start = next(self._counter) % n
-        best = candidates[start]
-        for i in range(1, n):
-            b = candidates[(start + i) % n]
-            if b.inflight < best.inflight:
-                best = b
-        return best
+        return least_loaded(candidates, self._counter)
 
     def _count(self, url: str, decision: str, matched: int, prompt: int) -> None:
         stats = self.stats.get(url)
