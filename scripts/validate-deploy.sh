@@ -7,6 +7,8 @@
 #     support; custom resources (PodMonitor), for which that package has no schema, against
 #     deploy/kubernetes/schemas/, as strictly. A document with no schema in either fails, and
 #     so does an overlay that renders nothing or lacks one of the objects every overlay ships;
+#   - every example under deploy/kubernetes/examples/ (the etcd for overlays/rl-filter-replicas),
+#     rendered and validated the same way, with the same container checks;
 #   - the Helm chart deploy/helm/sglang-gateway: `helm lint --strict`, and `helm template` for
 #     each Kubernetes version with its defaults and with each value set in its ci/ folder
 #     (ci/NAME-values.yaml with --set-file configFile=config/NAME.yaml where that exists),
@@ -229,6 +231,22 @@ for overlay in overlays:
     if docs and missing:
         failures.append(f"{label}: renders no {', '.join(sorted(missing))}")
     print(f"-- kubectl kustomize {overlay}: {len(docs)} documents")
+
+# Examples (not the gateway: no gateway.yaml to hold against), validated all the same.
+for example in sorted(p.parent for p in Path("deploy/kubernetes/examples").glob("*/kustomization.yaml")):
+    label = f"examples/{example.name}"
+    text = render(["kubectl", "kustomize", str(example)], label)
+    if text is None:
+        continue
+    docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    if not docs:
+        failures.append(f"{label}: renders no documents")
+    for doc in docs:
+        where = f"{label}: {doc['kind']}/{doc['metadata'].get('name')}"
+        validate(doc, where, versions)
+        check_containers(doc, where)
+        check_rbac(doc, where)
+    print(f"-- kubectl kustomize {example}: {len(docs)} documents")
 
 chart = Path("deploy/helm/sglang-gateway")
 cases: list[tuple[str, list[str], Path | None]] = [("defaults", [], None)]

@@ -3,13 +3,16 @@
 Register the engines, run rollouts (plain, streaming, multi-turn on a session key), abort
 them all and poll /v1/loads until every engine is idle, pause, update the weights with a new
 version, continue, and roll out again; then one engine fails a weight update and another
-dies. The gateway is a real process (one worker, and --workers 2); the engines are stubs
-playing SGLang's RL endpoints (gateway/testing/stub), which record what reached them.
+dies. The gateway is a real process (one worker, and --workers 2), or three replicas sharing
+the fleet through a real etcd (state.backend: etcd) with each call sent through the next
+replica in turn: the same cycle, the same results. The engines are stubs playing SGLang's RL
+endpoints (gateway/testing/stub), which record what reached them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -22,7 +25,8 @@ import pytest
 
 from gateway.fleet.pool import worker_id
 from gateway.testing.stub import StubBackend
-from tests.conftest import free_port, spawn
+from tests.conftest import free_port, gateway_process, spawn
+from tests.etcd import EtcdServer, etcd_binary
 
 ENGINES = 4
 SESSION_HEADER = "X-SMG-Routing-Key"  # what slime sends to keep a multi-turn rollout on one engine
@@ -35,11 +39,20 @@ CONTROL_PATHS = (
 
 
 class Client:
-    """What the RL driver and its rollout workers do, over HTTP to the gateway."""
+    """What the RL driver and its rollout workers do, over HTTP to the gateway.
 
-    def __init__(self, url: str, session: aiohttp.ClientSession) -> None:
-        self.url = url
+    With several replicas each call goes to the next one: registered through one, routed
+    through another, paused through a third, and so on."""
+
+    def __init__(self, urls: list[str], session: aiohttp.ClientSession) -> None:
+        self.urls = urls
+        self.calls = 0
         self.s = session
+
+    @property
+    def url(self) -> str:
+        self.calls += 1
+        return self.urls[self.calls % len(self.urls)]
 
     async def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         async with self.s.request(method, self.url + path, json=body) as r:
@@ -85,13 +98,9 @@ async def engines() -> AsyncIterator[list[StubBackend]]:
         await b.stop()
 
 
-@pytest.fixture(params=[1, 2], ids=["one-process", "workers-2"])
-async def gateway(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
-    port, admin = free_port(), free_port()
-    cfg = tmp_path / "rl.yaml"
-    cfg.write_text(
-        f"listen: {{host: 127.0.0.1, port: {port}, workers: {request.param}}}\n"
-        f"admin: {{host: 127.0.0.1, port: {admin}}}\n"
+@pytest.fixture(params=[1, 2, "replicas-3"], ids=["one-process", "workers-2", "replicas-3"])
+async def gateway(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[list[str]]:
+    fleet = (
         "backends:\n"
         "  discovery: registry\n"  # empty at start: the driver registers its engines
         "  balancer: consistent_hash\n"
@@ -99,6 +108,21 @@ async def gateway(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
         "  queue_timeout_s: 5\n"
         "  health: {interval_s: 0.1}\n"
         "logging: {access_log: false}\n"
+    )
+    if request.param == "replicas-3":
+        etcd = EtcdServer(etcd_binary(), tmp_path / "etcd-data")
+        await etcd.start()
+        try:
+            async with replicas(etcd, fleet, tmp_path) as urls:
+                yield urls
+        finally:
+            await etcd.stop()
+        return
+    port, admin = free_port(), free_port()
+    cfg = tmp_path / "rl.yaml"
+    cfg.write_text(
+        f"listen: {{host: 127.0.0.1, port: {port}, workers: {request.param}}}\n"
+        f"admin: {{host: 127.0.0.1, port: {admin}}}\n" + fleet
     )
     proc = await spawn(
         "gateway", "--config", str(cfg), stdout=asyncio.subprocess.DEVNULL,
@@ -115,14 +139,34 @@ async def gateway(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
                 except aiohttp.ClientError:
                     pass
                 await asyncio.sleep(0.05)
-        yield url
+        yield [url]
     finally:
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), timeout=30) == 0
 
 
+@contextlib.asynccontextmanager
+async def replicas(etcd: EtcdServer, fleet: str, tmp_path: Path) -> AsyncIterator[list[str]]:
+    """Three gateway processes on one etcd; each stops on SIGTERM with status 0."""
+    state = f"state:\n  backend: etcd\n  etcd: {{endpoints: ['{etcd.url}'], prefix: /rl-cycle/}}\n"
+    async with contextlib.AsyncExitStack() as stack:
+        procs = []
+        for i in range(3):
+            where = tmp_path / f"replica{i}"
+            where.mkdir()
+            cfg = "listen: {host: 127.0.0.1, port: 0}\nadmin: {host: 127.0.0.1, port: 0}\n"
+            procs.append(
+                await stack.enter_async_context(gateway_process(cfg + fleet + state, where))
+            )
+        yield [f"http://127.0.0.1:{p.port}" for p in procs]
+        for p in procs:
+            p.proc.send_signal(signal.SIGTERM)
+        for p in procs:
+            assert await asyncio.wait_for(p.proc.wait(), timeout=30) == 0
+
+
 async def test_an_rl_training_cycle_through_the_gateway(
-    gateway: str, engines: list[StubBackend]
+    gateway: list[str], engines: list[StubBackend]
 ) -> None:
     figures: dict[str, Any] = {}
     started = time.monotonic()

@@ -338,3 +338,31 @@ async def test_workers_of_a_replica_share_through_etcd(
     finally:
         proc.terminate()
         assert await asyncio.wait_for(proc.wait(), 20) == 0
+
+
+async def test_an_abort_by_rid_through_another_replica_reaches_the_owner(
+    etcd: EtcdServer,  # noqa: F811
+    stubs: list[StubBackend],
+    tmp_path: Path,
+) -> None:
+    """Which replica routed which rid is not shared: b, which did not route it, sends the
+    abort to every engine, the owner among them; the rollout ends aborted, at once."""
+    first, second = stubs[0], stubs[1]
+    async with replicas(etcd.url, first.url, tmp_path, n=2) as (a, b):
+        status, _ = await a.call("POST", "/workers", json={"url": second.url})
+        assert status == 200
+        await settle(a, stubs)
+        body = orjson.dumps({"text": "long", "rid": "rollout-7"})
+        slow = {**JSON, "X-Stub-Delay-Ms": "30000"}
+        rollout = asyncio.ensure_future(a.call("POST", "/generate", data=body, headers=slow))
+        async with asyncio.timeout(5):
+            while not any(s.generations_seen for s in (first, second)):
+                await asyncio.sleep(0.02)
+        t0 = time.monotonic()
+        status, reply = await b.call("POST", "/abort_request", json={"rid": "rollout-7"})
+        assert status == 200
+        assert {r["url"] for r in reply["results"]} == {first.url, second.url}
+        status, out = await asyncio.wait_for(rollout, 5)
+        assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort"
+        assert time.monotonic() - t0 < 5
+        assert first.aborted + second.aborted == 1

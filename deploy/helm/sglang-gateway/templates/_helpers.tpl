@@ -38,10 +38,18 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 
 {{/* The gateway.yaml text: configFile verbatim, or the config values through tpl. */}}
 {{- define "sglang-gateway.configText" -}}
+{{- $etcd := .Values.stateStore.etcdEndpoints -}}
 {{- if .Values.configFile -}}
+{{- if $etcd -}}
+{{- fail "stateStore.etcdEndpoints is merged into `config`: with configFile, write state: {backend: etcd, etcd: {endpoints: ...}} in the file itself" -}}
+{{- end -}}
 {{- .Values.configFile -}}
 {{- else -}}
-{{- tpl (toYaml .Values.config) . }}{{ "\n" }}
+{{- $cfg := deepCopy .Values.config -}}
+{{- if $etcd -}}
+{{- $_ := set $cfg "state" (dict "backend" "etcd" "etcd" (dict "endpoints" $etcd "prefix" .Values.stateStore.prefix)) -}}
+{{- end -}}
+{{- tpl (toYaml $cfg) . }}{{ "\n" }}
 {{- end -}}
 {{- end -}}
 
@@ -58,6 +66,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- $backends := $cfg.backends | default dict -}}
 {{- if and (eq ($backends.discovery | default "static") "kubernetes") (not .Values.serviceAccount.automountToken) -}}
 {{- fail "backends.discovery: kubernetes needs serviceAccount.automountToken: true (and rbac.create: true)" -}}
+{{- end -}}
+{{- $replicas := ternary 2 (int .Values.replicaCount) .Values.autoscaling.enabled -}}
+{{- if and (eq ($backends.discovery | default "static") "registry") (gt $replicas 1) (ne (dig "state" "backend" "local" $cfg) "etcd") -}}
+{{- fail "backends.discovery: registry on more than one replica needs state.backend: etcd (stateStore.etcdEndpoints, or a state: section in configFile): each replica would keep a registry of its own" -}}
 {{- end -}}
 {{- toJson $cfg -}}
 {{- end -}}
