@@ -102,11 +102,14 @@ def decide() -> tuple[bool, str]:
         return False, "SGLANG_GATEWAY_COMPILE=0"
     problem = compiler_problem()
     if problem is None:
-        from mypy.version import __version__ as mypy_version
+        # mypy is a build requirement of the compiled build only: imported when compiling.
+        from mypy.version import __version__ as mypy_version  # noqa: PLC0415
 
         return True, f"mypyc {mypy_version}, -O{OPT_LEVEL}"
     if choice == "1":
-        raise SystemExit(f"setup.py: SGLANG_GATEWAY_COMPILE=1, but no C extension builds: {problem}")
+        raise SystemExit(
+            f"setup.py: SGLANG_GATEWAY_COMPILE=1, but no C extension builds: {problem}"
+        )
     print(f"setup.py: no C extension builds here ({problem}): building pure", file=sys.stderr)
     return False, f"no C compiler at build time: {problem}"
 
@@ -153,7 +156,7 @@ class BuildExt(build_ext):
                     "setup.py: no in-place compiled build: the modules would shadow the "
                     "sources beside them (build a wheel instead)"
                 )
-            from mypyc.build import mypycify
+            from mypyc.build import mypycify  # noqa: PLC0415 - only when compiling
 
             self.set_undefined_options("build", ("build_temp", "build_temp"))
             temp = Path(self.build_temp)

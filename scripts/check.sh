@@ -33,8 +33,8 @@ if [ "$builds" = both ]; then
   build_pid=$!
   trap 'kill -- "-$build_pid" 2>/dev/null || true' EXIT
 fi
-echo "== ruff format --check"; ruff format --check gateway tests
-echo "== ruff check"; ruff check gateway tests
+echo "== ruff format --check"; ruff format --check gateway tests bench setup.py
+echo "== ruff check"; ruff check gateway tests bench setup.py
 echo "== mypy --strict gateway"; mypy
 echo "== validate-deploy"; scripts/validate-deploy.sh
 mark
