@@ -124,7 +124,9 @@ def splice(body: bytes, fields: bytes) -> bytes | None:
     while inner > start and body[inner] in _BLANKS:
         inner -= 1
     comma = b"" if inner == start else b","
-    return b"".join((body[:last], comma, fields, body[last:]))
+    # memoryview slices: the join is the one copy of a multi-MB body, not three.
+    view = memoryview(body)
+    return b"".join((view[:last], comma, fields, view[last:]))
 
 
 @dataclass(frozen=True, slots=True)
