@@ -267,7 +267,10 @@ class EtcdState:
                 self._lost(exc)
             except Exception as exc:  # a bad event must not end sharing for the process's life
                 self._count("read", "unreadable")
-                self._log.log(logging.ERROR, "follow", "following etcd failed: %r", exc)
+                # The type alone: a message could quote the fleet document it choked on.
+                self._log.log(
+                    logging.ERROR, "follow", "following etcd failed: %s", type(exc).__name__
+                )
             await asyncio.sleep(wait)
             wait = min(wait * 2, _RETRY_MAX_S)
 
