@@ -20,7 +20,7 @@ from aiohttp import web
 from gateway import config as config_mod
 from gateway import runtime
 from gateway.config import GatewayConfig, header_safe
-from gateway.contract.policy import AdmissionRules, Mode, ParallelSampleCap, SamplingMaskRule
+from gateway.contract.policy import BodyRules, Mode, ParallelSampleCap, SamplingMaskRule
 from gateway.contract.routes import RouteTable
 from gateway.edge import tracing
 from gateway.edge.auth import ApiKeys, read_keys_file
@@ -92,7 +92,7 @@ def proxy_settings(cfg: GatewayConfig) -> ProxySettings:
         routes=RouteTable(
             vertex_path=cfg.routes.vertex_path, extra_passthrough=cfg.routes.passthrough
         ),
-        admission=AdmissionRules(
+        body_rules=BodyRules(
             mask=SamplingMaskRule(Mode(mask.mode), default_top_k=mask.default_top_k),
             samples=ParallelSampleCap(cfg.policy.max_parallel_samples),
         ),

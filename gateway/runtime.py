@@ -90,7 +90,7 @@ class Signals:
         await self.stopped.wait()
 
 
-class Unstoppable:
+class Shielded:
     """Runs coroutines that must finish even if their caller is cancelled (a client that
     went away must not leave half a control action behind), and holds a reference to each
     until it is done: the loop keeps only weak ones."""

@@ -23,9 +23,9 @@ from gateway.contract.jsonview import Head, read_view
 from gateway.contract.policy import (
     READS,
     SHAPE_ONLY,
-    AdmissionRules,
-    MaskDemand,
+    BodyRules,
     Rejection,
+    Verdict,
     request_ids,
 )
 from gateway.contract.rids import top_level_rids
@@ -191,12 +191,12 @@ async def may_hold_mask_key_sliced(body: bytes) -> bool:
 def inspect_body(
     kind: Kind,
     body: bytes,
-    policy: AdmissionRules,
+    rules: BodyRules,
     *,
     skip_parse_without_key: bool = False,
     rids: list[str] | None = None,
     adapters: list[str] | None = None,
-) -> Rejection | MaskDemand | None:
+) -> Verdict:
     """Parse an inspected route's body once and apply the policy to it: a refusal, the mask
     demand each backend's profile decides, or None (forward it anywhere).
 
@@ -228,4 +228,4 @@ def inspect_body(
         rids += request_ids(parsed)
     if adapters is not None:
         adapters += requested_adapters(kind, parsed)
-    return policy.assess(kind, parsed)
+    return rules.assess(kind, parsed)

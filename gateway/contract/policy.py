@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, assert_never
+from typing import Any, Final, TypeAlias, assert_never
 
 from gateway.contract.lax import TOP_K_ALL, Invalid, is_greedy, lax_bool, lax_int, plain_int
 from gateway.contract.profiles import FINITE_TOP_K_MESSAGE, LEGACY, MaskItem, MaskProfile
@@ -74,9 +74,12 @@ class MaskDemand:
         return None
 
 
-def resolve(
-    verdict: Rejection | MaskDemand | None, profile: MaskProfile = LEGACY
-) -> Rejection | None:
+# What reading a body decides: None (any backend serves it), a refusal every backend would
+# make, or a mask demand that each backend's profile decides.
+Verdict: TypeAlias = Rejection | MaskDemand | None
+
+
+def resolve(verdict: Verdict, profile: MaskProfile = LEGACY) -> Rejection | None:
     """A verdict as one backend of `profile` would have it (0.5.19's rule by default)."""
     return verdict.verdict(profile) if isinstance(verdict, MaskDemand) else verdict
 
@@ -176,7 +179,7 @@ PARALLEL_SAMPLING: Final = "parallel_sampling"
 
 
 @dataclass(frozen=True, slots=True)
-class AdmissionRules:
+class BodyRules:
     """Every rule a parsed body is checked against, each with its own settings and mode."""
 
     mask: SamplingMaskRule = SamplingMaskRule()
@@ -198,7 +201,7 @@ class AdmissionRules:
             return verdict.verdict(self.profile)
         return verdict
 
-    def assess(self, kind: Kind, body: Mapping[str, Any]) -> Rejection | MaskDemand | None:
+    def assess(self, kind: Kind, body: Mapping[str, Any]) -> Verdict:
         """Read a parsed body once: None (any backend serves it), a Rejection every backend
         would make, or the MaskDemand each backend's profile decides."""
         items: list[MaskItem] = []

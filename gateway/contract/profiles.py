@@ -39,7 +39,7 @@ ASCEND_MESSAGE: Final = "return_sampling_mask is not supported with the ascend s
 DEFAULT_CAP: Final = 4096  # --sampling-mask-max-tokens' default (0.5.20 and later)
 
 
-class Family(enum.Enum):
+class MaskRule(enum.Enum):
     FINITE_TOP_K = "finite_top_k"  # 0.5.16-0.5.17, 0.5.19
     TOP_P_OR_TOP_K = "top_p_or_top_k"  # 0.5.18
     CAPPED = "capped"  # 0.5.20-0.5.23
@@ -67,7 +67,7 @@ class MaskItem:
 class MaskProfile:
     """One backend's admission of mask items."""
 
-    family: Family
+    family: MaskRule
     cap: int | None = None  # CAPPED and STRICT: the largest top_k admitted
     speculative: bool = False
     ascend: bool = False
@@ -90,18 +90,18 @@ class MaskProfile:
         k = item.top_k
         cap = self.cap if self.cap is not None else DEFAULT_CAP
         match self.family:
-            case Family.FINITE_TOP_K:
+            case MaskRule.FINITE_TOP_K:
                 if item.unbounded:
                     return "unbounded_top_k", FINITE_TOP_K_MESSAGE
-            case Family.TOP_P_OR_TOP_K:
+            case MaskRule.TOP_P_OR_TOP_K:
                 if item.unbounded and not item.top_p_below_one:
                     return "unbounded_top_k_and_top_p", TOP_P_MESSAGE
-            case Family.CAPPED:
+            case MaskRule.CAPPED:
                 if not (k == 1 or 1 < k <= cap):
                     reason = "unbounded_top_k" if item.unbounded else "top_k_above_cap"
                     shown = k if item.shown is None else item.shown
                     return reason, CAP_MESSAGE.format(cap=cap, top_k=shown)
-            case Family.STRICT:
+            case MaskRule.STRICT:
                 if item.unbounded:
                     return "unbounded_top_k", FINITE_TOP_K_MESSAGE
                 if k > cap:
@@ -116,11 +116,11 @@ class MaskProfile:
         """Every reason `refusal` can give (their metric series exist at 0 before the first
         refusal), in the order it checks them."""
         match self.family:
-            case Family.FINITE_TOP_K:
+            case MaskRule.FINITE_TOP_K:
                 top_k: tuple[str, ...] = ("unbounded_top_k",)
-            case Family.TOP_P_OR_TOP_K:
+            case MaskRule.TOP_P_OR_TOP_K:
                 top_k = ("unbounded_top_k_and_top_p",)
-            case Family.CAPPED | Family.STRICT:
+            case MaskRule.CAPPED | MaskRule.STRICT:
                 top_k = ("unbounded_top_k", "top_k_above_cap")
         if self.speculative:  # checked first: a speculative ascend backend never says ascend
             return (*top_k, "speculative_decoding")
@@ -131,14 +131,14 @@ class MaskProfile:
         on top_k the client can meet beats a setting it cannot change, a larger cap beats a
         smaller one, and a known release's own words beat the strict profile's."""
         setting = self.speculative or self.ascend
-        cap = TOP_K_ALL if self.family in (Family.FINITE_TOP_K, Family.TOP_P_OR_TOP_K) else 0
-        known = self.family is not Family.STRICT
+        cap = TOP_K_ALL if self.family in (MaskRule.FINITE_TOP_K, MaskRule.TOP_P_OR_TOP_K) else 0
+        known = self.family is not MaskRule.STRICT
         return (0 if setting else 1, self.cap if self.cap is not None else cap, int(known))
 
 
 # 0.5.19's rule: what the gateway applied to every backend before profiles, and still the
 # rule of a backend whose release is pinned to 0.5.19 or not known to differ.
-LEGACY: Final = MaskProfile(Family.FINITE_TOP_K)
+LEGACY: Final = MaskProfile(MaskRule.FINITE_TOP_K)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,29 +179,29 @@ def release(version: str | None) -> tuple[int, int, int] | None:
     return (int(m[1]), int(m[2]), int(m[3])) if m else None
 
 
-def family_of(version: str | None) -> Family:
+def family_of(version: str | None) -> MaskRule:
     """The admission family of a release; STRICT for one whose rule the gateway does not
     know (before the mask existed, after the newest release read, or unreadable)."""
     r = release(version)
     if r is None or r < (0, 5, 16) or r > NEWEST_KNOWN:
-        return Family.STRICT
+        return MaskRule.STRICT
     if r == (0, 5, 18):
-        return Family.TOP_P_OR_TOP_K
+        return MaskRule.TOP_P_OR_TOP_K
     if r >= (0, 5, 20):
-        return Family.CAPPED
-    return Family.FINITE_TOP_K
+        return MaskRule.CAPPED
+    return MaskRule.FINITE_TOP_K
 
 
 def profile_of(info: ServerInfo | None, *, strict_cap: int = DEFAULT_CAP) -> MaskProfile:
     """A backend's profile from what it says about itself; the strictest when it said
     nothing. `strict_cap`: the smallest cap in the fleet, which an unknown backend gets."""
     if info is None:
-        return MaskProfile(Family.STRICT, strict_cap)
+        return MaskProfile(MaskRule.STRICT, strict_cap)
     family = family_of(info.version)
     cap: int | None = None
-    if family is Family.CAPPED:
+    if family is MaskRule.CAPPED:
         cap = info.sampling_mask_max_tokens or DEFAULT_CAP
-    elif family is Family.STRICT:
+    elif family is MaskRule.STRICT:
         cap = min(strict_cap, info.sampling_mask_max_tokens or strict_cap)
     return MaskProfile(
         family,
@@ -214,9 +214,9 @@ def profile_of(info: ServerInfo | None, *, strict_cap: int = DEFAULT_CAP) -> Mas
 def pinned(version: str, cap: int = DEFAULT_CAP) -> MaskProfile:
     """The profile `policy.sampling_mask.profile: "<release>"` pins every backend to."""
     family = family_of(version)
-    if family is Family.STRICT:
+    if family is MaskRule.STRICT:
         raise ValueError(
             f"unknown SGLang release {version!r}: pin one from 0.5.16 to "
             f"{'.'.join(map(str, NEWEST_KNOWN))}, or use auto"
         )
-    return MaskProfile(family, cap if family is Family.CAPPED else None)
+    return MaskProfile(family, cap if family is MaskRule.CAPPED else None)

@@ -14,7 +14,7 @@ from typing import Final
 import orjson
 
 from gateway.contract.policy import Rejection
-from gateway.contract.routes import Family
+from gateway.contract.routes import ErrorShape
 
 # OpenAI-shape `type` values SGLang uses.
 BAD_REQUEST_ERROR: Final = "BadRequestError"  # a rule in SGLang's serving code refused it
@@ -35,11 +35,11 @@ _OPENAI_TYPES: Final = {
 }
 
 
-def render(family: Family, status: int, message: str, error_type: str | None = None) -> bytes:
+def render(family: ErrorShape, status: int, message: str, error_type: str | None = None) -> bytes:
     """The JSON body of a gateway-made reply."""
-    if family is Family.GENERATE:
+    if family is ErrorShape.GENERATE:
         return orjson.dumps({"error": {"message": message}})
-    if family is Family.OPENAI:
+    if family is ErrorShape.OPENAI:
         return orjson.dumps(
             {
                 "object": "error",
@@ -52,10 +52,10 @@ def render(family: Family, status: int, message: str, error_type: str | None = N
     return orjson.dumps({"detail": message})
 
 
-def render_rejection(family: Family, rejection: Rejection) -> bytes:
+def render_rejection(family: ErrorShape, rejection: Rejection) -> bytes:
     if rejection.validation:
         # SGLang's validation handler answers in the OpenAI shape on every route.
-        return render(Family.OPENAI, rejection.status, rejection.message, BAD_REQUEST)
+        return render(ErrorShape.OPENAI, rejection.status, rejection.message, BAD_REQUEST)
     return render(family, rejection.status, rejection.message)
 
 

@@ -30,7 +30,7 @@ class Kind(enum.Enum):
     GATEWAY = "gateway"  # answered by the gateway itself for its clients (probes, fleet metrics)
 
 
-class Family(enum.Enum):
+class ErrorShape(enum.Enum):
     """The error-body shape SGLang uses on a route (docs/sglang-contract.md section 6)."""
 
     GENERATE = "generate"  # {"error": {"message": ...}}
@@ -39,12 +39,12 @@ class Family(enum.Enum):
 
 
 _FAMILY = {
-    Kind.GENERATE: Family.GENERATE,
-    Kind.VERTEX: Family.GENERATE,
-    Kind.CHAT: Family.OPENAI,
-    Kind.COMPLETIONS: Family.OPENAI,
-    Kind.RESPONSES: Family.OPENAI,
-    Kind.PASSTHROUGH: Family.PLAIN,
+    Kind.GENERATE: ErrorShape.GENERATE,
+    Kind.VERTEX: ErrorShape.GENERATE,
+    Kind.CHAT: ErrorShape.OPENAI,
+    Kind.COMPLETIONS: ErrorShape.OPENAI,
+    Kind.RESPONSES: ErrorShape.OPENAI,
+    Kind.PASSTHROUGH: ErrorShape.PLAIN,
 }
 
 
@@ -53,7 +53,7 @@ class Route:
     path: str  # canonical (decoded, no trailing slash) path
     kind: Kind
     methods: frozenset[str]
-    family: Family
+    family: ErrorShape
 
     @property
     def inspected(self) -> bool:
@@ -171,9 +171,9 @@ def canonical_path(raw_path: str) -> str:
     return path
 
 
-_WORKER_ROUTE: Final = Route(WORKER_PATH, Kind.REGISTRY, _WORKER_ROUTE_METHODS, Family.PLAIN)
+_WORKER_ROUTE: Final = Route(WORKER_PATH, Kind.REGISTRY, _WORKER_ROUTE_METHODS, ErrorShape.PLAIN)
 _ADDRESSED_ROUTE: Final = Route(
-    ADDRESSED_PATH, Kind.CONTROL, frozenset({"GET", "POST"}), Family.PLAIN
+    ADDRESSED_PATH, Kind.CONTROL, frozenset({"GET", "POST"}), ErrorShape.PLAIN
 )
 
 
@@ -195,17 +195,17 @@ class RouteTable:
             vertex_path, Kind.VERTEX, frozenset({"POST"}), _FAMILY[Kind.VERTEX]
         )
         for path, methods in OPERATIONAL_ROUTES.items():
-            by_path[path] = Route(path, Kind.PASSTHROUGH, methods, Family.PLAIN)
+            by_path[path] = Route(path, Kind.PASSTHROUGH, methods, ErrorShape.PLAIN)
         for path, methods in GATEWAY_ROUTES.items():
-            by_path[path] = Route(path, Kind.GATEWAY, methods, Family.PLAIN)
+            by_path[path] = Route(path, Kind.GATEWAY, methods, ErrorShape.PLAIN)
         for path, methods in CONTROL_ROUTES.items():
-            by_path[path] = Route(path, Kind.CONTROL, methods, Family.PLAIN)
+            by_path[path] = Route(path, Kind.CONTROL, methods, ErrorShape.PLAIN)
         for path, methods in REGISTRY_ROUTES.items():
-            by_path[path] = Route(path, Kind.REGISTRY, methods, Family.PLAIN)
+            by_path[path] = Route(path, Kind.REGISTRY, methods, ErrorShape.PLAIN)
         for path, methods in PER_ENGINE_ROUTES.items():
-            by_path[path] = Route(path, Kind.REGISTRY, methods, Family.PLAIN)
+            by_path[path] = Route(path, Kind.REGISTRY, methods, ErrorShape.PLAIN)
         for path, methods in FLEET_READ_ROUTES.items():
-            by_path[path] = Route(path, Kind.REGISTRY, methods, Family.PLAIN)
+            by_path[path] = Route(path, Kind.REGISTRY, methods, ErrorShape.PLAIN)
         for configured in extra_passthrough:
             # Stored canonical, so an encoded spelling of a generation route cannot be
             # configured past the check below and then match before decoding.
@@ -223,7 +223,7 @@ class RouteTable:
                 path,
                 Kind.PASSTHROUGH,
                 frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH"}),
-                Family.PLAIN,
+                ErrorShape.PLAIN,
             )
         self._by_path = by_path
 

@@ -30,7 +30,7 @@ from gateway.contract.routes import (
     ADDRESSABLE_ROUTES,
     ADDRESSED_PATH,
     FLEET_READ_ROUTES,
-    Family,
+    ErrorShape,
     Kind,
     Route,
     addressed,
@@ -55,7 +55,7 @@ from gateway.edge.upstream import Upstream
 from gateway.fleet.etcd_state import LockBusy, StoreDown
 from gateway.fleet.membership import Fleet
 from gateway.fleet.shared import SharingFailed
-from gateway.runtime import Unstoppable
+from gateway.runtime import Shielded
 
 if TYPE_CHECKING:
     from gateway.edge.proxy import Call
@@ -104,7 +104,7 @@ class FleetControl:
         self._pool = fleet.pool
         self.fanout = FanOut(upstream)
         self.owners = RidOwners()
-        self._runs = Unstoppable()
+        self._runs = Shielded()
 
     async def handle(self, call: Call, route: Route) -> Reply | None:
         """Answer `call`, on the control or registry route `route`."""
@@ -249,7 +249,7 @@ class FleetControl:
             backend = self._pool.find(worker)
             if backend is None:
                 self.fanout.count(route.path, "failed")
-                missing = replies.render(Family.PLAIN, 404, f"No worker {worker!r}.")
+                missing = replies.render(ErrorShape.PLAIN, 404, f"No worker {worker!r}.")
                 return call.reply(404, missing, Outcome.NOT_FOUND)
             urls = [backend.url]
             # The path as checked, never as sent: the engine must match exactly what was

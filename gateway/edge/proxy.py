@@ -24,18 +24,18 @@ from typing import Final
 from gateway.contract import replies
 from gateway.contract.inspection import check_headers, inspect_body
 from gateway.contract.policy import (
-    AdmissionRules,
+    BodyRules,
     MaskDemand,
     Mode,
     Rejection,
+    Verdict,
 )
 from gateway.contract.prompt import prompt_start
 from gateway.contract.replies import Outcome
-from gateway.contract.routes import Family, Kind, Route, RouteTable, canonical_path
+from gateway.contract.routes import ErrorShape, Kind, Route, RouteTable, canonical_path
 from gateway.contract.skim import SKIM_MIN_BODY
 from gateway.edge import pd
 from gateway.edge.adapters import AdapterCatalog, holders, unavailable_message
-from gateway.edge.admission import inspect_large
 from gateway.edge.auth import ApiKeys
 from gateway.edge.budget import InspectionBudget, parse_cost
 from gateway.edge.control import ControlAccess
@@ -48,6 +48,7 @@ from gateway.edge.headers import (
     ForwardedHeaders,
     valid_request_id,
 )
+from gateway.edge.large_bodies import inspect_large
 from gateway.edge.server import BodyTooLarge, Reply, Request
 from gateway.edge.surfaces import Surfaces
 from gateway.edge.tracing import NO_TRACING, Tracer
@@ -58,7 +59,7 @@ from gateway.edge.upstream import (
     UpstreamResponse,
     UpstreamTimeout,
 )
-from gateway.fleet.capability import Admission, Needs, only_disaggregated
+from gateway.fleet.capability import MaskVerdicts, Needs, only_disaggregated
 from gateway.fleet.membership import Fleet
 from gateway.fleet.pool import HOLD_EXPIRED, HOLD_MEMORY, HOLDS_FULL, Backend, HoldRefused, Prompt
 from gateway.ops.observe import USER_AGENT_MAX, Exchange, Observer
@@ -100,7 +101,7 @@ class ProxySettings:
     """
 
     routes: RouteTable
-    admission: AdmissionRules
+    body_rules: BodyRules
     forwarding: ForwardedHeaders
     max_body: int
     max_inspecting: int
@@ -258,10 +259,10 @@ class Call:
         return route is not None and route.inspected
 
     @property
-    def family(self) -> Family:
+    def family(self) -> ErrorShape:
         """The shape of the route's error bodies."""
         route = self.route
-        return route.family if route is not None else Family.PLAIN
+        return route.family if route is not None else ErrorShape.PLAIN
 
     async def run(self) -> Reply | None:
         """The steps in order: the gateway's reply, or None once the backend's was relayed."""
@@ -284,7 +285,7 @@ class Call:
         body = await self.read()
         if isinstance(body, Reply):
             return body
-        verdict: Rejection | MaskDemand | None = None
+        verdict: Verdict = None
         if route.inspected:
             cost = self.budget_now(body)
             if cost is not None:  # most bodies: inspected at once, with nothing awaited
@@ -383,7 +384,7 @@ class Call:
         cost = parse_cost(body)
         return cost if self.proxy.budget.try_acquire(cost) else None
 
-    def inspect(self, kind: Kind, body: bytes, cost: int) -> Rejection | MaskDemand | None:
+    def inspect(self, kind: Kind, body: bytes, cost: int) -> Verdict:
         """The policy's verdict on a body whose share of the budget (`cost`) is taken; the
         request ids it names go to `rids`."""
         settings = self.settings
@@ -395,7 +396,7 @@ class Call:
             return (self.proxy.traced_inspect or inspect_body)(
                 kind,
                 body,
-                settings.admission,
+                settings.body_rules,
                 skip_parse_without_key=settings.skip_parse,
                 rids=rids,
                 adapters=adapters,
@@ -403,8 +404,8 @@ class Call:
         finally:
             self.proxy.budget.release(cost)
 
-    async def inspect_large(self, kind: Kind, body: bytes) -> Rejection | MaskDemand | None:
-        """The verdict on a large body (skimmed, gateway/edge/admission.py) or on one that
+    async def inspect_large(self, kind: Kind, body: bytes) -> Verdict:
+        """The verdict on a large body (skimmed, gateway/edge/large_bodies.py) or on one that
         waits for its share of the budget."""
         settings = self.settings
         rids: list[str] = []
@@ -414,7 +415,7 @@ class Call:
         return await (self.proxy.traced_inspect_large or inspect_large)(
             kind,
             body,
-            settings.admission,
+            settings.body_rules,
             self.proxy.budget,
             wait_s=settings.queue_timeout,
             skip_parse_without_key=settings.skip_parse,
@@ -427,15 +428,15 @@ class Call:
         needs besides), or its refusal. A mask request goes only where a backend's own
         admission serves it; a refusal of a rule in log_only mode is forwarded anywhere."""
         if isinstance(verdict, MaskDemand):
-            admission = Admission(verdict)
-            rejection = admission.edge_refusal(self.proxy.pool, wanted)
+            mask = MaskVerdicts(verdict)
+            rejection = mask.edge_refusal(self.proxy.pool, wanted)
             if rejection is None:
                 if wanted is None:
-                    return Needs(None, admission)
-                return Needs(wanted.version, admission, wanted.adapters)
+                    return Needs(None, mask)
+                return Needs(wanted.version, mask, wanted.adapters)
         else:
             rejection = verdict
-        if self.settings.admission.mode_of(rejection) is Mode.LOG_ONLY:
+        if self.settings.body_rules.mode_of(rejection) is Mode.LOG_ONLY:
             # log_only: count and log what enforce would refuse, then forward.
             exchange = self.exchange
             log.warning(

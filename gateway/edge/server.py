@@ -46,7 +46,7 @@ import httptools
 from multidict import CIMultiDict
 
 from gateway.contract import replies, scan
-from gateway.contract.routes import Family
+from gateway.contract.routes import ErrorShape
 from gateway.edge import http1
 from gateway.edge.headers import SERVER
 from gateway.ops.redact import describe
@@ -745,7 +745,9 @@ class _Connection(asyncio.Protocol):
             if request.started:
                 self.abort()
                 return
-            body = replies.render(Family.PLAIN, 500, "The gateway failed to handle the request.")
+            body = replies.render(
+                ErrorShape.PLAIN, 500, "The gateway failed to handle the request."
+            )
             reply = Reply(500, body, close=True)
         if self._gone:
             return
@@ -872,7 +874,7 @@ class _Connection(asyncio.Protocol):
 
     def _write_refusal(self) -> None:
         status = self._refusal or 400
-        body = replies.render(Family.PLAIN, status, http1.phrase(status))
+        body = replies.render(ErrorShape.PLAIN, status, http1.phrase(status))
         head = (
             f"HTTP/1.1 {status} {http1.phrase(status)}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n{_SERVER_LINE}Date: {http1.date.now()}\r\n"
@@ -1007,6 +1009,6 @@ _FULL: Final = (
 
 def _full_reply() -> bytes:
     body = replies.render(
-        Family.PLAIN, 503, "The gateway is at its client connection limit; retry later."
+        ErrorShape.PLAIN, 503, "The gateway is at its client connection limit; retry later."
     )
     return _FULL % (len(body), body)

@@ -28,7 +28,7 @@ import orjson
 from gateway.contract import replies
 from gateway.contract.policy import Rejection
 from gateway.contract.replies import Outcome
-from gateway.contract.routes import Family, Route
+from gateway.contract.routes import ErrorShape, Route
 from gateway.edge.control import relayed
 from gateway.edge.engine_metrics import CONTENT_TYPE, EngineMetrics, merge
 from gateway.edge.headers import REQUEST_ID
@@ -105,7 +105,7 @@ class Surfaces:
         settings, exchange = call.settings, call.exchange
         urls = [b.url for b in self._pool.backends]
         if not urls:
-            body = replies.render(Family.PLAIN, 503, "No workers to read metrics from.")
+            body = replies.render(ErrorShape.PLAIN, 503, "No workers to read metrics from.")
             return call.reply(503, body, Outcome.NO_BACKEND)
         headers = [(REQUEST_ID, exchange.request_id)]
         if (authorization := settings.control_forwarding.authorization) is not None:

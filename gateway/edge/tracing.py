@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 from gateway import build as build_info
 from gateway.config import TRACING_INSTALL, TracingConfig
-from gateway.contract.policy import MaskDemand, Rejection
+from gateway.contract.policy import MaskDemand, Verdict
 from gateway.contract.replies import Outcome
 from gateway.edge.failures import ConnectFailed, UpstreamFailure, UpstreamTimeout
 from gateway.edge.server import Handler, Reply, Request
@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Tracer as OtelTracer
 
 P = ParamSpec("P")
-Verdict = Rejection | MaskDemand | None
 
 TRACEPARENT: Final = "traceparent"
 TRACESTATE: Final = "tracestate"

@@ -16,7 +16,7 @@ from gateway.fleet.pd import DECODE_ROLE
 from gateway.fleet.pool import Backend, BackendPool, Fit
 
 
-class Admission:
+class MaskVerdicts:
     """One mask request's verdict at each backend."""
 
     __slots__ = ("_verdicts", "demand")
@@ -66,16 +66,16 @@ class Needs:
     weights it asks for, the LoRA adapters it names, and for a mask request the admission
     of the backend's profile. Made only for a request that needs any of them."""
 
-    __slots__ = ("adapters", "admission", "version")
+    __slots__ = ("adapters", "mask", "version")
 
     def __init__(
         self,
         version: str | None,
-        admission: Admission | None = None,
+        mask: MaskVerdicts | None = None,
         adapters: frozenset[str] = frozenset(),
     ) -> None:
         self.version = version
-        self.admission = admission
+        self.mask = mask
         self.adapters = adapters
 
     def __call__(self, backend: Backend) -> bool:
@@ -83,8 +83,8 @@ class Needs:
             return False
         if self.adapters and not self.adapters <= backend.adapters:
             return False
-        admission = self.admission
-        return admission is None or admission.fits(backend)
+        mask = self.mask
+        return mask is None or mask.fits(backend)
 
 
 def only_disaggregated(pool: BackendPool) -> Rejection | None:

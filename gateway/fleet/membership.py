@@ -30,7 +30,7 @@ from gateway.fleet.pd import PdRouting
 from gateway.fleet.pool import BackendPool, EjectionRules, PoolRules
 from gateway.fleet.registry import WorkerRegistry
 from gateway.fleet.shared import Change, Document, SharedState
-from gateway.runtime import Unstoppable
+from gateway.runtime import Shielded
 
 log = logging.getLogger("gateway.fleet.membership")
 
@@ -65,7 +65,7 @@ def make_pd(cfg: BackendsConfig) -> PdRouting | None:
     )
 
 
-def pool_policy(cfg: BackendsConfig, pinned: MaskProfile | None = None) -> PoolRules:
+def pool_rules(cfg: BackendsConfig, pinned: MaskProfile | None = None) -> PoolRules:
     p = cfg.passive
     return PoolRules(
         healthy_threshold=cfg.health.healthy_threshold,
@@ -94,7 +94,7 @@ class Fleet:
         self.cfg = cfg
         self._resolver = resolver
         initial = cfg.members if cfg.discovery in ("static", "registry") else ()
-        self.pool = BackendPool(initial, make_balancer(cfg), pool_policy(cfg, pinned))
+        self.pool = BackendPool(initial, make_balancer(cfg), pool_rules(cfg, pinned))
         self.pool.pd = pd = make_pd(cfg)
         if pd is not None:
             pd.set_members(list(initial))
@@ -110,7 +110,7 @@ class Fleet:
         self.shared: SharedState | EtcdState | None = None
         self._follow_task: asyncio.Task[None] | None = None
         self._doc: Document | None = None
-        self._sharing = Unstoppable()
+        self._sharing = Shielded()
 
     def _make_discovery(self, cfg: BackendsConfig, clients: FleetClients) -> Discovery:
         if cfg.discovery == "dns":
@@ -187,7 +187,7 @@ class Fleet:
         assert self._clients is not None and self._health is not None
         old = self.cfg
         self.cfg = cfg
-        self.pool.reconfigure(make_balancer(cfg), pool_policy(cfg, pinned), make_pd(cfg))
+        self.pool.reconfigure(make_balancer(cfg), pool_rules(cfg, pinned), make_pd(cfg))
         self._type()
         if cfg.health != old.health:
             await self._health.stop()

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final, Protocol
 
-from gateway.contract.profiles import DEFAULT_CAP, Family, MaskProfile, ServerInfo, profile_of
+from gateway.contract.profiles import DEFAULT_CAP, MaskProfile, MaskRule, ServerInfo, profile_of
 from gateway.fleet.balancers import Balancer
 from gateway.fleet.cache_aware import CacheAware
 from gateway.fleet.pd import ROLES, PdRouting
@@ -118,7 +118,7 @@ class Backend:
         # follows from it (gateway/contract/profiles.py): the strictest until it says.
         self.server_info: ServerInfo | None = None
         self.info_read_at: float | None = None  # when it was last asked
-        self.profile = MaskProfile(Family.STRICT, DEFAULT_CAP)
+        self.profile = MaskProfile(MaskRule.STRICT, DEFAULT_CAP)
 
     def __repr__(self) -> str:
         return f"Backend({self.url!r}, {self.health.value}, inflight={self.inflight})"
@@ -226,7 +226,7 @@ class BackendPool:
         self,
         urls: Iterable[str],
         balancer: Balancer,
-        policy: PoolRules = PoolRules(),
+        rules: PoolRules = PoolRules(),
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -235,7 +235,7 @@ class BackendPool:
         self.prefix = balancer if isinstance(balancer, CacheAware) else None
         # backends.mode pd: the balancer of each role and the pairs' counters; None: plain.
         self.pd: PdRouting | None = None
-        self._policy = policy
+        self._rules = rules
         self._clock = clock
         self._slot_waiters: deque[asyncio.Future[None]] = deque()
         # Requests held for paused or asleep engines, in arrival order. Entries whose request
@@ -290,7 +290,7 @@ class BackendPool:
         return added, removed
 
     def reconfigure(
-        self, balancer: Balancer, policy: PoolRules, pd: PdRouting | None = None
+        self, balancer: Balancer, rules: PoolRules, pd: PdRouting | None = None
     ) -> None:
         """Swap rules on reload; backend state is kept."""
         urls = [b.url for b in self.backends]
@@ -305,7 +305,7 @@ class BackendPool:
             prefix.inherit(self.prefix)
         self._balancer = balancer
         self.prefix = prefix
-        self._policy = policy
+        self._rules = rules
         self._reprofile()
 
     # -- what each backend admits ----------------------------------------------------------
@@ -330,7 +330,7 @@ class BackendPool:
     def _reprofile(self) -> None:
         # A backend of unknown release gets every known rule at once, with the smallest cap
         # any member runs: it may be any of them.
-        pinned = self._policy.pinned_profile
+        pinned = self._rules.pinned_profile
         caps = [
             b.server_info.sampling_mask_max_tokens
             for b in self.backends
@@ -347,7 +347,7 @@ class BackendPool:
         (registered workers) probed at least once. Readiness asks this."""
         if b.health is Health.UNHEALTHY or b.ejected_until > now:
             return False
-        return b.health is Health.HEALTHY or not self._policy.probation
+        return b.health is Health.HEALTHY or not self._rules.probation
 
     def routable(self, b: Backend, now: float, role: str | None = None) -> bool:
         """May take a new request at `now` (concurrency aside): available, neither paused
@@ -386,7 +386,7 @@ class BackendPool:
         (the body and where its prompt starts) picks among them. With a `role` (prefill,
         decode), a worker of that type, by that role's balancer."""
         now = self._clock()
-        cap = self._policy.max_inflight
+        cap = self._rules.max_inflight
         candidates = [
             b
             for b in self.backends
@@ -411,7 +411,7 @@ class BackendPool:
 
         Then waiting briefly for a slot makes sense; otherwise nothing will come.
         """
-        if self._policy.max_inflight is None:
+        if self._rules.max_inflight is None:
             return False
         now = self._clock()
         return any(self.routable(b, now, role) and b not in exclude for b in self.backends)
@@ -531,7 +531,7 @@ class BackendPool:
         """Admit a request to the holds, or refuse it (HoldRefused); its hold's deadline."""
         counts = self.hold_counts
         reason = None
-        cap = self._policy.max_inflight
+        cap = self._rules.max_inflight
         if hold_s <= 0:
             reason = NOT_HELD
         elif cap is not None and self.holding >= cap * engines:
@@ -639,14 +639,14 @@ class BackendPool:
         """At least one backend has been seen working (or, with probes off, is not known to
         be broken) and is not ejected."""
         now = self._clock()
-        ok = (Health.HEALTHY,) if self._policy.probes else (Health.HEALTHY, Health.UNKNOWN)
+        ok = (Health.HEALTHY,) if self._rules.probes else (Health.HEALTHY, Health.UNKNOWN)
         # Paused or asleep engines still count: an RL fleet mid weight-update is not broken.
         return any(b.health in ok and self.available(b, now) for b in self.backends)
 
     def ready_count(self) -> int:
         """How many backends count towards `ready` (SMG's /readiness reports the number)."""
         now = self._clock()
-        ok = (Health.HEALTHY,) if self._policy.probes else (Health.HEALTHY, Health.UNKNOWN)
+        ok = (Health.HEALTHY,) if self._rules.probes else (Health.HEALTHY, Health.UNKNOWN)
         return sum(1 for b in self.backends if b.health in ok and self.available(b, now))
 
     def find(self, worker: str) -> Backend | None:
@@ -671,7 +671,7 @@ class BackendPool:
         b.recovered = True
         b.probe_failures = 0
         b.probe_successes += 1
-        if b.health is not Health.HEALTHY and b.probe_successes >= self._policy.healthy_threshold:
+        if b.health is not Health.HEALTHY and b.probe_successes >= self._rules.healthy_threshold:
             if b.ejected_until:
                 # A passing probe ends a passive ejection early.
                 b.ejected_until = 0.0
@@ -682,7 +682,7 @@ class BackendPool:
     def probe_failed(self, b: Backend, why: str) -> None:
         b.probe_successes = 0
         b.probe_failures += 1
-        if b.health is Health.UNKNOWN or b.probe_failures >= self._policy.unhealthy_threshold:
+        if b.health is Health.UNKNOWN or b.probe_failures >= self._rules.unhealthy_threshold:
             self._set(b, Health.UNHEALTHY, why)
 
     def response(self, b: Backend, status: int) -> None:
@@ -691,7 +691,7 @@ class BackendPool:
         b.connect_failures = 0
         if status >= 500:
             b.errors_5xx += 1
-            if b.errors_5xx >= self._policy.passive.consecutive_5xx:
+            if b.errors_5xx >= self._rules.passive.consecutive_5xx:
                 self._eject(b, f"{b.errors_5xx} consecutive 5xx")
                 b.errors_5xx = 0
             return
@@ -709,13 +709,13 @@ class BackendPool:
         or the end of the ejection period, lets it back in.
         """
         b.connect_failures += 1
-        if b.connect_failures >= self._policy.passive.consecutive_connect_failures:
+        if b.connect_failures >= self._rules.passive.consecutive_connect_failures:
             self._eject(b, why)
             b.connect_failures = 0
 
     def _eject(self, b: Backend, why: str) -> None:
         now = self._clock()
-        p = self._policy.passive
+        p = self._rules.passive
         # Exponential back-off, so a dead backend costs ever fewer failed attempts.
         period = min(p.max_eject_s, p.base_eject_s * (2 ** min(b.ejections, 16)))
         if b.ejected_until <= now:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.contract.inspection import inspect_body, may_hold_mask_key
-from gateway.contract.policy import MASK_MESSAGE, AdmissionRules, resolve
+from gateway.contract.policy import MASK_MESSAGE, BodyRules, resolve
 from gateway.contract.routes import Kind
 from gateway.testing.stub import StubBackend
 from tests.conftest import GatewayFactory, gw_url
@@ -40,9 +40,7 @@ def test_every_escaped_spelling_of_the_key_is_caught(escaped: list[bool], upper:
     body = b'{"text": "x", ' + key + b": true}"
     assert has_key(orjson.loads(body))
     assert may_hold_mask_key(body)
-    rejection = resolve(
-        inspect_body(Kind.GENERATE, body, AdmissionRules(), skip_parse_without_key=True)
-    )
+    rejection = resolve(inspect_body(Kind.GENERATE, body, BodyRules(), skip_parse_without_key=True))
     assert rejection is not None and rejection.message == MASK_MESSAGE
 
 
@@ -81,11 +79,9 @@ def test_escapes_before_the_key_never_hide_it(prefix: str, escaped: list[bool]) 
 def test_keyless_bodies_skip_the_parse_only_when_enabled() -> None:
     broken = b'{"input_ids": [1, 2, 3'
     assert not may_hold_mask_key(broken)
+    assert resolve(inspect_body(Kind.GENERATE, broken, BodyRules())) is not None  # strict default
     assert (
-        resolve(inspect_body(Kind.GENERATE, broken, AdmissionRules())) is not None
-    )  # strict default
-    assert (
-        resolve(inspect_body(Kind.GENERATE, broken, AdmissionRules(), skip_parse_without_key=True))
+        resolve(inspect_body(Kind.GENERATE, broken, BodyRules(), skip_parse_without_key=True))
         is None
     )
     # A prompt that merely mentions \u in its text is an escaped backslash then "u": no

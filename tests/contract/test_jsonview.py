@@ -19,12 +19,12 @@ from hypothesis import HealthCheck, given, seed, settings
 
 from gateway.contract.inspection import inspect_body
 from gateway.contract.jsonview import Head, read_view
-from gateway.contract.policy import READS, SHAPE_ONLY, AdmissionRules, ParallelSampleCap, resolve
+from gateway.contract.policy import READS, SHAPE_ONLY, BodyRules, ParallelSampleCap, resolve
 from gateway.contract.routes import Kind, RouteTable
 from tests.hardening.bodies import requests
 from tests.hardening.corpus import CASES
 
-POLICY = AdmissionRules(samples=ParallelSampleCap(1024))
+POLICY = BodyRules(samples=ParallelSampleCap(1024))
 KINDS = [Kind.GENERATE, Kind.VERTEX, Kind.CHAT, Kind.COMPLETIONS, Kind.RESPONSES]
 
 

@@ -8,12 +8,12 @@ import aiohttp
 import orjson
 import pytest
 
-from gateway.contract.policy import AdmissionRules, ParallelSampleCap
+from gateway.contract.policy import BodyRules, ParallelSampleCap
 from gateway.contract.routes import Kind
 from gateway.testing.stub import StubBackend
 from tests.conftest import GatewayFactory, gw_url
 
-CAP = AdmissionRules(samples=ParallelSampleCap(16))
+CAP = BodyRules(samples=ParallelSampleCap(16))
 
 
 @pytest.mark.parametrize(
@@ -51,7 +51,7 @@ def test_cap_truth_table(kind: Kind, body: dict[str, Any], refused: bool) -> Non
     else:
         assert rejection is None or rejection.rule != "parallel_sampling"
     if refused:
-        assert AdmissionRules().check(kind, body) is None  # without the cap nothing refuses it
+        assert BodyRules().check(kind, body) is None  # without the cap nothing refuses it
 
 
 async def test_cap_through_the_gateway(

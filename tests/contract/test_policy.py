@@ -30,7 +30,7 @@ from gateway.contract.policy import (
     SHAPE_ONLY,
     STREAM_META_INFO_MESSAGE,
     TOP_K_ALL,
-    AdmissionRules,
+    BodyRules,
     Rejection,
     SamplingMaskRule,
     resolve,
@@ -80,7 +80,7 @@ def assert_outcome(actual: Rejection | None, expected: Expected) -> None:
         assert actual == expected
 
 
-POLICY = AdmissionRules()
+POLICY = BodyRules()
 
 
 class Recording(dict[str, Any]):
@@ -103,7 +103,7 @@ class Recording(dict[str, Any]):
         return super().__contains__(key)
 
 
-def both(kind: Kind, body: dict[str, Any], policy: AdmissionRules = POLICY) -> Rejection | None:
+def both(kind: Kind, body: dict[str, Any], policy: BodyRules = POLICY) -> Rejection | None:
     """check() on the parsed body, asserting resolve(inspect_body()) on its bytes decides the same,
     and that the check read no top-level field the body reader leaves out (policy.READS)."""
     recording = Recording(body)
@@ -549,7 +549,7 @@ def test_passthrough_kind_is_not_inspected() -> None:
 
 # --- an operator-configured default top_k (rule 3) -----------------------------------------------
 
-DEFAULT_20 = AdmissionRules(mask=SamplingMaskRule(default_top_k=20))
+DEFAULT_20 = BodyRules(mask=SamplingMaskRule(default_top_k=20))
 
 DEFAULT_TOP_K = [
     pytest.param(Kind.CHAT, chat_mask(), None, id="chat-omitted"),

@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 
 from gateway.contract.lax import TOP_K_ALL
-from gateway.contract.policy import AdmissionRules, MaskDemand
+from gateway.contract.policy import BodyRules, MaskDemand
 from gateway.contract.profiles import (
     ASCEND_MESSAGE,
     CAP_MESSAGE,
     FINITE_TOP_K_MESSAGE,
     SPECULATIVE_MESSAGE,
     TOP_P_MESSAGE,
-    Family,
     MaskItem,
     MaskProfile,
+    MaskRule,
     ServerInfo,
     family_of,
     pinned,
@@ -22,13 +22,13 @@ from gateway.contract.profiles import (
 )
 from gateway.contract.routes import Kind
 
-V19 = MaskProfile(Family.FINITE_TOP_K)
-V18 = MaskProfile(Family.TOP_P_OR_TOP_K)
-V23 = MaskProfile(Family.CAPPED, 4096)
-V23_64 = MaskProfile(Family.CAPPED, 64)
-STRICT = MaskProfile(Family.STRICT, 64)
-SPEC = MaskProfile(Family.CAPPED, 4096, speculative=True)
-ASCEND = MaskProfile(Family.FINITE_TOP_K, ascend=True)
+V19 = MaskProfile(MaskRule.FINITE_TOP_K)
+V18 = MaskProfile(MaskRule.TOP_P_OR_TOP_K)
+V23 = MaskProfile(MaskRule.CAPPED, 4096)
+V23_64 = MaskProfile(MaskRule.CAPPED, 64)
+STRICT = MaskProfile(MaskRule.STRICT, 64)
+SPEC = MaskProfile(MaskRule.CAPPED, 4096, speculative=True)
+ASCEND = MaskProfile(MaskRule.FINITE_TOP_K, ascend=True)
 
 ALL = TOP_K_ALL
 # (top_k, top_p below one) -> the message of each profile (None: served)
@@ -109,7 +109,7 @@ def test_truth_table(item: tuple[int, bool], expected: list[str | None]) -> None
 def test_a_profile_names_every_reason_it_refuses_with() -> None:
     """reasons() is what the metrics export at 0 for a profile before its first refusal:
     exactly the reasons refusal() can give, every one of them."""
-    spec_strict = MaskProfile(Family.STRICT, 64, speculative=True, ascend=True)
+    spec_strict = MaskProfile(MaskRule.STRICT, 64, speculative=True, ascend=True)
     for profile in [*PROFILES, spec_strict]:
         given = set()
         for top_k in (1, 2, 64, 65, 4096, 4097, ALL):
@@ -134,21 +134,21 @@ def test_the_0_5_20_message_is_sglangs() -> None:
 @pytest.mark.parametrize(
     ("version", "family"),
     [
-        ("0.5.15", Family.STRICT),
-        ("0.5.16", Family.FINITE_TOP_K),
-        ("0.5.17.post1", Family.FINITE_TOP_K),
-        ("0.5.18", Family.TOP_P_OR_TOP_K),
-        ("0.5.19", Family.FINITE_TOP_K),
-        ("0.5.20rc0", Family.CAPPED),
-        ("v0.5.23", Family.CAPPED),
-        ("0.5.24", Family.STRICT),
-        ("0.6.0", Family.STRICT),
-        ("", Family.STRICT),
-        (None, Family.STRICT),
-        ("main", Family.STRICT),
+        ("0.5.15", MaskRule.STRICT),
+        ("0.5.16", MaskRule.FINITE_TOP_K),
+        ("0.5.17.post1", MaskRule.FINITE_TOP_K),
+        ("0.5.18", MaskRule.TOP_P_OR_TOP_K),
+        ("0.5.19", MaskRule.FINITE_TOP_K),
+        ("0.5.20rc0", MaskRule.CAPPED),
+        ("v0.5.23", MaskRule.CAPPED),
+        ("0.5.24", MaskRule.STRICT),
+        ("0.6.0", MaskRule.STRICT),
+        ("", MaskRule.STRICT),
+        (None, MaskRule.STRICT),
+        ("main", MaskRule.STRICT),
     ],
 )
-def test_release_families(version: str | None, family: Family) -> None:
+def test_release_families(version: str | None, family: MaskRule) -> None:
     assert family_of(version) is family
 
 
@@ -156,17 +156,17 @@ def test_profiles_from_server_info() -> None:
     info = ServerInfo.from_json(
         {"version": "0.5.23", "sampling_mask_max_tokens": 64, "speculative_algorithm": "EAGLE"}
     )
-    assert profile_of(info) == MaskProfile(Family.CAPPED, 64, speculative=True)
+    assert profile_of(info) == MaskProfile(MaskRule.CAPPED, 64, speculative=True)
     assert profile_of(info).name == "capped:64+speculative"
     off = ServerInfo.from_json({"version": "0.5.23", "speculative_algorithm": "NONE"})
-    assert profile_of(off) == MaskProfile(Family.CAPPED, 4096)
+    assert profile_of(off) == MaskProfile(MaskRule.CAPPED, 4096)
     assert profile_of(ServerInfo.from_json({"version": "0.5.19"})).name == "finite_top_k"
     ascend = ServerInfo.from_json({"version": "0.5.18", "sampling_backend": "ascend"})
-    assert profile_of(ascend) == MaskProfile(Family.TOP_P_OR_TOP_K, ascend=True)
+    assert profile_of(ascend) == MaskProfile(MaskRule.TOP_P_OR_TOP_K, ascend=True)
     # Unknown: every rule at once, at most the smallest cap seen.
-    assert profile_of(None, strict_cap=64) == MaskProfile(Family.STRICT, 64)
+    assert profile_of(None, strict_cap=64) == MaskProfile(MaskRule.STRICT, 64)
     assert profile_of(ServerInfo.from_json({"version": "0.7.0"})) == MaskProfile(
-        Family.STRICT, 4096
+        MaskRule.STRICT, 4096
     )
     assert ServerInfo.from_json({"sampling_mask_max_tokens": "64"}).sampling_mask_max_tokens is None
 
@@ -174,13 +174,13 @@ def test_profiles_from_server_info() -> None:
 def test_pinned_profiles() -> None:
     assert pinned("0.5.19") == V19
     assert pinned("0.5.18") == V18
-    assert pinned("0.5.21", 128) == MaskProfile(Family.CAPPED, 128)
+    assert pinned("0.5.21", 128) == MaskProfile(MaskRule.CAPPED, 128)
     with pytest.raises(ValueError, match="unknown SGLang release"):
         pinned("0.9.0")
 
 
 def test_shared_reading_then_per_profile_admission() -> None:
-    rules = AdmissionRules()
+    rules = BodyRules()
     # A batch: item 0 asks a mask with top_k 100, item 1 a top-p-only mask.
     body = {
         "text": ["a", "b"],

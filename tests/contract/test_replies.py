@@ -7,7 +7,7 @@ import pytest
 
 from gateway.contract.policy import Rejection
 from gateway.contract.replies import render, render_rejection
-from gateway.contract.routes import Family
+from gateway.contract.routes import ErrorShape
 
 # -- error rendering ----------------------------------------------------------------------------
 
@@ -15,24 +15,24 @@ from gateway.contract.routes import Family
 @pytest.mark.parametrize(
     ("family", "status", "expected"),
     [
-        (Family.GENERATE, 400, {"error": {"message": "m"}}),
-        (Family.GENERATE, 503, {"error": {"message": "m"}}),
-        (Family.OPENAI, 400, {"object": "error", "message": "m", "type": "BadRequestError",
+        (ErrorShape.GENERATE, 400, {"error": {"message": "m"}}),
+        (ErrorShape.GENERATE, 503, {"error": {"message": "m"}}),
+        (ErrorShape.OPENAI, 400, {"object": "error", "message": "m", "type": "BadRequestError",
                               "param": None, "code": 400}),
-        (Family.OPENAI, 413, {"object": "error", "message": "m",
+        (ErrorShape.OPENAI, 413, {"object": "error", "message": "m",
                               "type": "RequestEntityTooLarge", "param": None, "code": 413}),
-        (Family.OPENAI, 418, {"object": "error", "message": "m", "type": "Error", "param": None,
+        (ErrorShape.OPENAI, 418, {"object": "error", "message": "m", "type": "Error", "param": None,
                               "code": 418}),
-        (Family.PLAIN, 404, {"detail": "m"}),
-        (Family.PLAIN, 500, {"detail": "m"}),
+        (ErrorShape.PLAIN, 404, {"detail": "m"}),
+        (ErrorShape.PLAIN, 500, {"detail": "m"}),
     ],
 )  # fmt: skip
-def test_render(family: Family, status: int, expected: dict) -> None:
+def test_render(family: ErrorShape, status: int, expected: dict) -> None:
     assert orjson.loads(render(family, status, "m")) == expected
 
 
-@pytest.mark.parametrize("family", list(Family))
-def test_validation_rejections_use_the_openai_shape_on_every_route(family: Family) -> None:
+@pytest.mark.parametrize("family", list(ErrorShape))
+def test_validation_rejections_use_the_openai_shape_on_every_route(family: ErrorShape) -> None:
     rule = Rejection(400, "sampling_mask", "unbounded_top_k", "rule says no")
     invalid = Rejection(400, "request_body", "invalid_json", "bad json", validation=True)
     assert orjson.loads(render_rejection(family, rule)) == orjson.loads(

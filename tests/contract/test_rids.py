@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from gateway.contract import rids as rids_mod
 from gateway.contract.inspection import inspect_body
-from gateway.contract.policy import AdmissionRules, request_ids
+from gateway.contract.policy import BodyRules, request_ids
 from gateway.contract.rids import top_level_rids, top_level_rids_sliced
 from gateway.contract.routes import Kind
 
@@ -97,7 +97,7 @@ def test_what_the_walk_cannot_vouch_for_is_left_to_a_parse(body: bytes) -> None:
     # The inspection then parses it: the ids are those the parse reads.
     got: list[str] = []
     assert (
-        inspect_body(Kind.GENERATE, body, AdmissionRules(), skip_parse_without_key=True, rids=got)
+        inspect_body(Kind.GENERATE, body, BodyRules(), skip_parse_without_key=True, rids=got)
         is None
     )
     assert got == truth(body)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.contract.routes import Family, Kind, RouteTable
+from gateway.contract.routes import ErrorShape, Kind, RouteTable
 
 TABLE = RouteTable()
 
@@ -34,11 +34,11 @@ INSPECTED = [
 ]
 
 FAMILIES = {
-    Kind.GENERATE: Family.GENERATE,
-    Kind.VERTEX: Family.GENERATE,
-    Kind.CHAT: Family.OPENAI,
-    Kind.COMPLETIONS: Family.OPENAI,
-    Kind.RESPONSES: Family.OPENAI,
+    Kind.GENERATE: ErrorShape.GENERATE,
+    Kind.VERTEX: ErrorShape.GENERATE,
+    Kind.CHAT: ErrorShape.OPENAI,
+    Kind.COMPLETIONS: ErrorShape.OPENAI,
+    Kind.RESPONSES: ErrorShape.OPENAI,
 }
 
 
@@ -90,7 +90,7 @@ def test_operational_routes_pass_through(path: str) -> None:
     assert route.kind is Kind.PASSTHROUGH
     assert route.path == path.rstrip("/")
     assert not route.inspected
-    assert route.family is Family.PLAIN
+    assert route.family is ErrorShape.PLAIN
 
 
 @pytest.mark.parametrize("path", CONTROL)
@@ -151,7 +151,11 @@ def test_custom_vertex_path() -> None:
     for raw in ("/predict", "/predict/", "/%70redict"):
         route = table.match(raw)
         assert route is not None, raw
-        assert (route.kind, route.path, route.family) == (Kind.VERTEX, "/predict", Family.GENERATE)
+        assert (route.kind, route.path, route.family) == (
+            Kind.VERTEX,
+            "/predict",
+            ErrorShape.GENERATE,
+        )
     # The default spelling is not served by that backend: unknown, so refused.
     assert table.match("/vertex_generate") is None
     assert table.match("/generate") is not None

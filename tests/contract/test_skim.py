@@ -19,14 +19,14 @@ import orjson
 import pytest
 
 from gateway.contract.jsonview import Head
-from gateway.contract.policy import AdmissionRules, ParallelSampleCap, resolve
+from gateway.contract.policy import BodyRules, ParallelSampleCap, resolve
 from gateway.contract.routes import Kind
 from gateway.contract.skim import SKIM_MIN_BODY, _valid_slice, skim
-from gateway.edge.admission import inspect_large
 from gateway.edge.budget import InspectionBudget
+from gateway.edge.large_bodies import inspect_large
 from tests.hardening.checks import LoopTurns, loop_turns
 
-POLICY = AdmissionRules(samples=ParallelSampleCap(1024))
+POLICY = BodyRules(samples=ParallelSampleCap(1024))
 KINDS = [Kind.GENERATE, Kind.VERTEX, Kind.CHAT, Kind.COMPLETIONS, Kind.RESPONSES]
 SHAPE = frozenset({"input_ids", "input_embeds"})
 N = SKIM_MIN_BODY // 2  # elements: bodies land past the threshold

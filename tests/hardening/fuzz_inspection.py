@@ -32,12 +32,12 @@ if atheris is not None:
     # mask on) counts as new coverage, which steers the fuzzer there.
     with atheris.instrument_imports(include=["gateway", "tests.sglang_model"]):
         from gateway.contract.inspection import check_headers, inspect_body
-        from gateway.contract.policy import AdmissionRules, resolve
+        from gateway.contract.policy import BodyRules, resolve
         from gateway.contract.routes import Kind
         from tests import sglang_model  # noqa: F401
 else:
     from gateway.contract.inspection import check_headers, inspect_body
-    from gateway.contract.policy import AdmissionRules
+    from gateway.contract.policy import BodyRules
     from gateway.contract.routes import Kind
 
 from tests import sglang_model as sglang  # noqa: E402 - after the instrumented imports
@@ -51,7 +51,7 @@ from tests.hardening.bodies import (  # noqa: E402
     dump,
 )
 
-POLICY = AdmissionRules()
+POLICY = BodyRules()
 KINDS = [Kind.GENERATE, Kind.VERTEX, Kind.CHAT, Kind.COMPLETIONS, Kind.RESPONSES]
 PATH = {
     Kind.GENERATE: "/generate",

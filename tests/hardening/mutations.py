@@ -339,7 +339,7 @@ MUTATIONS = [
     ),
     (
         "large bodies parsed whole (no skim)",
-        "gateway/edge/admission.py",
+        "gateway/edge/large_bodies.py",
         "    skimmed = await skim(body, SHAPE_ONLY) if skimmable and not sensitive else None",
         "    skimmed = None",
         ["tests/hardening/test_inspection_memory.py"],
@@ -400,8 +400,8 @@ MUTATIONS = [
         "mask requests routed to any backend, whatever its profile admits",
         "gateway/edge/proxy.py",
         (
-            "                    return Needs(None, admission)\n",
-            "                return Needs(wanted.version, admission, wanted.adapters)\n",
+            "                    return Needs(None, mask)\n",
+            "                return Needs(wanted.version, mask, wanted.adapters)\n",
         ),
         (
             "                    return Needs(None, None)\n",
@@ -980,8 +980,8 @@ MUTATIONS = [
     (
         "a profile forgets a reason it refuses with",
         "gateway/contract/profiles.py",
-        '            case Family.CAPPED | Family.STRICT:\n                top_k = ("unbounded_top_k", "top_k_above_cap")',
-        '            case Family.CAPPED | Family.STRICT:\n                top_k = ("unbounded_top_k",)',
+        '            case MaskRule.CAPPED | MaskRule.STRICT:\n                top_k = ("unbounded_top_k", "top_k_above_cap")',
+        '            case MaskRule.CAPPED | MaskRule.STRICT:\n                top_k = ("unbounded_top_k",)',
         ["tests/contract/test_profiles.py::test_a_profile_names_every_reason_it_refuses_with"],
     ),
     (
@@ -1426,7 +1426,7 @@ MUTATIONS = [
     ),
     (
         "unparsed large bodies' rids not recorded",
-        "gateway/edge/admission.py",
+        "gateway/edge/large_bodies.py",
         "        found = await top_level_rids_sliced(body)",
         "        found = []",
         ["tests/edge/test_rid_owners.py"],

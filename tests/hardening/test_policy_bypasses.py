@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 
 from gateway.contract.inspection import inspect_body
-from gateway.contract.policy import AdmissionRules, resolve
+from gateway.contract.policy import BodyRules, resolve
 from gateway.contract.routes import Kind
 from tests import sglang_model as sglang
 
-POLICY = AdmissionRules()
+POLICY = BodyRules()
 ROUTE = {Kind.GENERATE: "/generate", Kind.VERTEX: "/vertex_generate"}
 
 # SGLang decides single vs batch from the first of text, input_ids, input_embeds that is not

@@ -33,8 +33,8 @@ from hypothesis import HealthCheck, given, seed, settings
 
 from gateway.contract.inspection import inspect_body
 from gateway.contract.lax import TOP_K_ALL
-from gateway.contract.policy import AdmissionRules, resolve
-from gateway.contract.profiles import Family, MaskProfile
+from gateway.contract.policy import BodyRules, resolve
+from gateway.contract.profiles import MaskProfile, MaskRule
 from gateway.contract.routes import Kind
 from tests.hardening.bodies import requests
 from tests.real_sglang.wheels import Unavailable, unpacked
@@ -44,10 +44,10 @@ BODIES = 3000  # about half are /generate bodies
 
 # (release, --sampling-mask-max-tokens, the gateway profile for that backend)
 RELEASES = [
-    ("0.5.18", None, MaskProfile(Family.TOP_P_OR_TOP_K)),
-    ("0.5.19", None, MaskProfile(Family.FINITE_TOP_K)),
-    ("0.5.23", 4096, MaskProfile(Family.CAPPED, 4096)),
-    ("0.5.23", 64, MaskProfile(Family.CAPPED, 64)),
+    ("0.5.18", None, MaskProfile(MaskRule.TOP_P_OR_TOP_K)),
+    ("0.5.19", None, MaskProfile(MaskRule.FINITE_TOP_K)),
+    ("0.5.23", 4096, MaskProfile(MaskRule.CAPPED, 4096)),
+    ("0.5.23", 64, MaskProfile(MaskRule.CAPPED, 64)),
 ]
 
 # Refusals of bodies SGLang serves, each deliberate (docs/sglang-contract.md s.10, README),
@@ -132,7 +132,7 @@ def test_the_gateway_admits_exactly_what_the_release_serves(
     bodies: list[tuple[Kind, bytes]], version: str, cap: int | None, profile: MaskProfile
 ) -> None:
     root = _release(version)
-    rules = AdmissionRules()
+    rules = BodyRules()
     counts: Counter[str] = Counter()
     unjustified: Counter[str] = Counter()
     examples: dict[str, bytes] = {}
@@ -146,7 +146,7 @@ def test_the_gateway_admits_exactly_what_the_release_serves(
             counts["served with a mask"] += bool(masks)
             # 0.5.18 runs top-p-only masks by design (its rule reads top_p): only a cap or,
             # for the other releases, an unbounded top_k makes a mask too wide.
-            unbounded_ok = profile.family is Family.TOP_P_OR_TOP_K
+            unbounded_ok = profile.family is MaskRule.TOP_P_OR_TOP_K
             too_wide = [
                 k
                 for k in masks

@@ -22,9 +22,9 @@ from gateway.contract.inspection import (
 from gateway.contract.policy import (
     READS,
     SHAPE_ONLY,
-    AdmissionRules,
-    MaskDemand,
+    BodyRules,
     Rejection,
+    Verdict,
     request_ids,
 )
 from gateway.contract.rids import top_level_rids_sliced
@@ -38,14 +38,14 @@ INSPECTION_BUSY: Final = "The gateway is busy inspecting other large requests; r
 async def inspect_large(
     kind: Kind,
     body: bytes,
-    policy: AdmissionRules,
+    rules: BodyRules,
     budget: InspectionBudget,
     *,
     wait_s: float,
     skip_parse_without_key: bool = False,
     rids: list[str] | None = None,
     adapters: list[str] | None = None,
-) -> Rejection | MaskDemand | None:
+) -> Verdict:
     """inspect_body for any size: long integer arrays in shape-only fields are validated
     without being parsed (gateway/contract/skim.py), and the parse waits for its share of the
     inspection budget (gateway/edge/budget.py)."""
@@ -91,6 +91,6 @@ async def inspect_large(
             rids += request_ids(parsed)
         if adapters is not None:
             adapters += requested_adapters(kind, parsed)
-        return policy.assess(kind, parsed)
+        return rules.assess(kind, parsed)
     finally:
         budget.release(cost)
