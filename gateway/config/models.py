@@ -206,7 +206,7 @@ SMG_UNSUPPORTED: Final[Mapping[str, str]] = {
     ),
 }
 
-_BalancerName = Literal[
+BalancerName = Literal[
     "least_inflight", "round_robin", "power_of_two", "consistent_hash", "random", "cache_aware"
 ]
 
@@ -259,7 +259,7 @@ class BackendsConfig(_Model):
     dns: DnsConfig | None = None
     kubernetes: KubernetesConfig | None = None
     # sglang-router's --policy names are taken too (SMG_POLICIES): see _smg_policy.
-    balancer: _BalancerName = "least_inflight"
+    balancer: BalancerName = "least_inflight"
     # pd: every generation goes to one prefill and one decode worker together, which the
     # KV cache passes between (README, "Prefill/decode disaggregation"); regular workers
     # then serve none. regular: prefill and decode workers serve nothing.
@@ -270,8 +270,8 @@ class BackendsConfig(_Model):
     decode: list[BackendUrl] = Field(default_factory=list)
     # Each role's balancer (sglang-router's --prefill-policy, --decode-policy); null:
     # backends.balancer. cache_aware suits prefill: the prompt's cache lives there.
-    prefill_balancer: _BalancerName | None = None
-    decode_balancer: _BalancerName | None = None
+    prefill_balancer: BalancerName | None = None
+    decode_balancer: BalancerName | None = None
     # When a request's own backend (its cached prefix with cache_aware, its session with
     # consistent_hash) is too loaded for it: more in flight than the least loaded candidate
     # by over balance_abs_threshold and by a factor over balance_rel_threshold. It then goes
