@@ -6,25 +6,29 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 from gateway import config as config_mod
 from gateway.config import reference
 
+# The repository root: docs/ sits beside tests/ (also in the compiled build's run directory).
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def test_the_checked_in_reference_is_the_generated_one() -> None:
-    checked_in = reference.OUTPUT.read_text(encoding="utf-8")
+    checked_in = (ROOT / reference.OUTPUT).read_text(encoding="utf-8")
     assert checked_in == reference.render(), (
         "docs/configuration-reference.md is stale: run python -m gateway.config.reference"
     )
 
 
-def test_the_check_mode_exits_non_zero_on_a_stale_file(tmp_path, monkeypatch) -> None:
+def test_the_check_mode_exits_non_zero_on_a_stale_file(tmp_path: Path) -> None:
     stale = tmp_path / "reference.md"
+    assert reference.main(["--check"], stale) == 1  # missing
     stale.write_text("# Configuration reference\n", encoding="utf-8")
-    monkeypatch.setattr(reference, "OUTPUT", stale)
-    assert reference.main(["--check"]) == 1
-    assert reference.main([]) == 0
-    assert reference.main(["--check"]) == 0
+    assert reference.main(["--check"], stale) == 1
+    assert reference.main([], stale) == 0
+    assert reference.main(["--check"], stale) == 0
 
 
 def _row(text: str, key: str) -> list[str]:
@@ -68,5 +72,6 @@ def test_the_module_runs_as_a_script() -> None:
         capture_output=True,
         text=True,
         check=False,
+        cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr

@@ -1,6 +1,6 @@
 """The configuration reference, generated from the models: `python -m gateway.config.reference`
-writes docs/configuration-reference.md (`--check` says whether the checked-in file is
-current). The models are the one source: a field's comment in gateway/config/models.py is
+run from the repository root, writes docs/configuration-reference.md (`--check` says
+whether the checked-in file is current). The models are the one source: a field's comment in gateway/config/models.py is
 its description here, so the reference cannot drift from the code.
 """
 
@@ -22,7 +22,8 @@ from pydantic_core import PydanticUndefined
 from gateway.config import models
 from gateway.config.models import RESTART_ONLY, GatewayConfig
 
-OUTPUT: Final = Path(__file__).resolve().parents[2] / "docs" / "configuration-reference.md"
+# Relative to the repository root, where the command runs (an installed gateway has no docs/).
+OUTPUT: Final = Path("docs/configuration-reference.md")
 
 _HEADER: Final = """\
 # Configuration reference
@@ -162,15 +163,15 @@ def render() -> str:
     return "\n".join(out).rstrip("\n") + "\n"
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], output: Path = OUTPUT) -> int:
     text = render()
     if "--check" in argv:
-        if OUTPUT.read_text(encoding="utf-8") != text:
-            print(f"{OUTPUT} is stale: run python -m gateway.config.reference", file=sys.stderr)
+        if not output.is_file() or output.read_text(encoding="utf-8") != text:
+            print(f"{output} is stale: run python -m gateway.config.reference", file=sys.stderr)
             return 1
         return 0
-    OUTPUT.write_text(text, encoding="utf-8")
-    print(f"wrote {OUTPUT}")
+    output.write_text(text, encoding="utf-8")
+    print(f"wrote {output}")
     return 0
 
 
