@@ -37,6 +37,8 @@ echo "== ruff format --check"; ruff format --check gateway tests bench setup.py
 echo "== ruff check"; ruff check gateway tests bench setup.py
 echo "== mypy --strict gateway"; mypy
 echo "== validate-deploy"; scripts/validate-deploy.sh
+# Into .build/ (ignored): a broken link, a lost anchor or a page off the nav fails it.
+echo "== mkdocs build --strict"; NO_MKDOCS_2_WARNING=1 mkdocs build --strict -q --site-dir .build/site
 mark
 
 pure=("$@")

@@ -18,8 +18,10 @@ _MIN_AIOHTTP: Final = (3, 14, 2)
 def check_runtime() -> str | None:
     """Refuse to run on an aiohttp without its C HTTP parser or older than 3.14.2.
 
-    The pure-Python parser is slower and has had request-smuggling bugs the C one did
-    not; a filter in front of SGLang must not run on it unnoticed.
+    The admin listener's requests and the answers to the gateway's own calls are parsed by
+    it (client requests are not: httptools parses those). The pure-Python parser is slower
+    and has had request-smuggling bugs the C one did not, so the gateway must not run on it
+    unnoticed.
     """
     version = tuple(int(x) for x in aiohttp.__version__.split(".")[:3] if x.isdigit())
     if version < _MIN_AIOHTTP:

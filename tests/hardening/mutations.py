@@ -467,14 +467,14 @@ MUTATIONS = [
     ),
     (
         "config errors show a credential's value",
-        "gateway/config.py",
+        "gateway/config/loading.py",
         "elif tuple(loc[:2]) in _SECRET_PATHS or isinstance(value, (dict, list)):",
         "elif False:",
         ["tests/test_cli.py"],
     ),
     (
         "the mask --check-config prints is accepted as a secret",
-        "gateway/config.py",
+        "gateway/config/models.py",
         "    if value.get_secret_value() == _MASK:",
         "    if False:",
         ["tests/test_cli.py"],
@@ -1114,7 +1114,7 @@ MUTATIONS = [
     ),
     (
         "a bad membership network accepted",
-        "gateway/config.py",
+        "gateway/config/models.py",
         "    # Empty by default: only operators change the membership.\n    trusted_cidrs: list[Cidr]",
         "    # Empty by default: only operators change the membership.\n    trusted_cidrs: list[str]",
         ["tests/edge/test_rights.py::test_a_bad_membership_network_is_a_clear_startup_error"],
@@ -1337,7 +1337,7 @@ MUTATIONS = [
     ),
     (
         "consistent_hashing keeps the default hash header",
-        "gateway/config.py",
+        "gateway/config/models.py",
         '            if header is not None and "hash_header" not in data:',
         "            if False:",
         [
@@ -1347,7 +1347,7 @@ MUTATIONS = [
     ),
     (
         "cache_aware taken as least_inflight",
-        "gateway/config.py",
+        "gateway/config/models.py",
         "        if name in SMG_UNSUPPORTED:\n            raise ValueError(",
         '        if name in SMG_UNSUPPORTED:\n            return {**data, "balancer": "least_inflight"}\n            raise ValueError(',
         [
