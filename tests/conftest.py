@@ -182,7 +182,7 @@ async def abandon_generate(gw: Gateway, *, stream: bool, headers: dict[str, str]
                 await r.read()
 
 
-async def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+async def wait_for(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
     """Poll a condition on the loop (readiness, counters), failing after `timeout`."""
     async with asyncio.timeout(timeout):
         while not predicate():

@@ -102,7 +102,7 @@ async def test_a_held_client_that_leaves_is_dropped_at_once(
     await writer.wait_closed()
     # The close is seen while held: the hold ends within moments, not when the fleet
     # continues or the hold runs out.
-    await wait_for(lambda: gw.pool.holding == 0, timeout=1.0)
+    await wait_for(lambda: gw.pool.holding == 0, timeout=30)
     holds = await _holds(gw)
     assert (holds["now"], holds["abandoned"], holds["released"]) == (0, 1, 0)
     await _control(gw, "/continue_generation", b"{}")
@@ -145,13 +145,15 @@ async def test_a_hold_of_zero_answers_at_once(
 ) -> None:
     gw = await make_gateway(stubs[0].url, stubs[1].url, backends={"pause_hold_s": 0})
     await _control(gw, "/pause_generation", b'{"mode": "abort"}')
-    async with aiohttp.ClientSession() as s:
-        started = time.monotonic()
-        async with s.post(gw_url(gw, "/generate"), data=_gen("x"), headers=JSON) as r:
-            assert r.status == 503
-            assert "backends.pause_hold_s is 0" in (await r.json())["error"]["message"]
-        assert time.monotonic() - started < 1.0
-    assert (await _holds(gw))["refused"] == 1
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(gw_url(gw, "/generate"), data=_gen("x"), headers=JSON) as r,
+    ):
+        assert r.status == 503
+        assert "backends.pause_hold_s is 0" in (await r.json())["error"]["message"]
+    # Refused, never held: the counters say so whatever the machine's load.
+    holds = await _holds(gw)
+    assert holds["refused"] == 1 and holds.get("held", 0) == 0 and holds["now"] == 0
 
 
 async def test_held_generations_go_out_in_arrival_order(
@@ -234,19 +236,18 @@ async def test_held_generations_whose_engines_fail_are_answered_at_once(
         *(s.url for s in engines),
         backends={
             "health": {"interval_s": 0.05, "timeout_s": 0.2, "unhealthy_threshold": 1},
-            "pause_hold_s": 5,  # longer than it takes the probes to fail
+            # Far longer than any wait below: an answer at the hold's end fails the test.
+            "pause_hold_s": 300,
         },
     )
     await _control(gw, "/pause_generation", b'{"mode": "abort"}')
     async with aiohttp.ClientSession() as s:
         held = asyncio.ensure_future(s.post(gw_url(gw, "/generate"), data=_gen("x"), headers=JSON))
         await wait_for(lambda: gw.pool.holding == 1)
-        started = time.monotonic()
         for engine in engines:
             await engine.stop()
-        async with await held as r:
+        async with asyncio.timeout(60), await held as r:
             assert r.status == 503
             assert "No healthy backend" in (await r.json())["error"]["message"]
-        assert time.monotonic() - started < 3
     holds = await _holds(gw)
     assert (holds["now"], holds["released"]) == (0, 1)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import time
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -113,13 +112,11 @@ async def test_a_dead_and_a_silent_engine_are_reported_and_the_rest_answered(
     async with silent_engine() as silent:
         gw = await make_gateway(stub.url, dead_url, silent, engine_metrics={"timeout_s": 0.5})
         async with aiohttp.ClientSession() as s:
-            started = time.monotonic()
-            async with s.get(gw_url(gw, "/engine_metrics")) as r:
+            # The silent engine never answers: only its deadline (0.5 s) can end this wait,
+            # which the bound, far above it, leaves room for on a loaded machine.
+            async with asyncio.timeout(30), s.get(gw_url(gw, "/engine_metrics")) as r:
                 assert r.status == 200
                 text = await r.text()
-            took = time.monotonic() - started
-            # The silent engine's deadline, not the client's patience, ends the wait.
-            assert took < 3.0, took
             families = {f.name: f for f in text_string_to_metric_families(text)}
             addrs = {x.labels["worker_addr"] for x in families["sglang_num_running_reqs"].samples}
             assert addrs == {stub.url}

@@ -496,7 +496,7 @@ async def test_bytes_after_a_closing_response_are_stray_and_the_body_is_whole(
 
     server = RawServer(answer)
     async with server:
-        status, body = await asyncio.wait_for(get(upstream, server.url), 2)
+        status, body = await asyncio.wait_for(get(upstream, server.url), 30)
     assert (status, body) == (200, b"ok")
     assert upstream.unsolicited == 1
     assert upstream.pool_state() == (0, 0)

@@ -27,7 +27,7 @@ OK = orjson.dumps({"text": "x", "sampling_params": {"top_k": 2}})
 STREAM = orjson.dumps({"text": "x", "stream": True, "sampling_params": {"top_k": 2}})
 
 
-async def settle(predicate: object, timeout: float = 3.0) -> None:
+async def settle(predicate: object, timeout: float = 30.0) -> None:
     await wait_for(predicate, timeout)  # type: ignore[arg-type]
 
 
@@ -154,7 +154,7 @@ async def test_client_disconnect_closes_upstream_and_leaks_nothing(
             task.cancel()  # the client goes away
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await asyncio.wait_for(stub.disconnect_event.wait(), timeout=1.0)
+        await asyncio.wait_for(stub.disconnect_event.wait(), timeout=30)
         assert loop.time() - gone < 1.0
     assert stub.cancelled == 3
     await settle(lambda: gateway.proxy is not None and gateway.proxy.inflight == 0)
@@ -184,7 +184,7 @@ async def test_client_leaving_a_silent_stream_closes_the_upstream_at_once(
         task.cancel()  # the client goes away
         with contextlib.suppress(asyncio.CancelledError):
             await task
-    await asyncio.wait_for(stub.disconnect_event.wait(), timeout=2.0)
+    await asyncio.wait_for(stub.disconnect_event.wait(), timeout=30)
     assert loop.time() - gone < 1.0
     await settle(lambda: gateway.proxy is not None and gateway.proxy.inflight == 0)
 
@@ -515,7 +515,7 @@ async def test_client_that_stops_reading_a_64mb_response_pauses_the_upstream(
     assert grown_mib < 24, f"RSS grew {grown_mib:.1f} MiB with a 64 MiB reply unread"
     stub.disconnect_event.clear()
     writer.transport.abort()  # the client goes away: the upstream is closed too
-    await asyncio.wait_for(stub.disconnect_event.wait(), 2)
+    await asyncio.wait_for(stub.disconnect_event.wait(), 30)
     await settle(lambda: gateway.proxy is not None and gateway.proxy.inflight == 0)
 
 
@@ -562,7 +562,8 @@ async def test_pool_exhaustion_is_a_quick_503_and_does_not_eject_the_backend(
             "health": {"enabled": False},
         },
     )
-    slow = {**JSON, "X-Stub-Delay-Ms": "1500"}
+    # Long enough that an answer which waited for a slot could only come after these end.
+    slow = {**JSON, "X-Stub-Delay-Ms": "4000"}
 
     async def one(headers: dict[str, str]) -> tuple[int, float, str | None]:
         started = time.monotonic()
@@ -572,12 +573,13 @@ async def test_pool_exhaustion_is_a_quick_503_and_does_not_eject_the_backend(
 
     busy = [asyncio.create_task(one(slow)) for _ in range(2)]
     await wait_for(lambda: len(stub.generation_requests()) == 2)
-    status, took, retry_after = await one(JSON)
+    status, _, retry_after = await one(JSON)
     assert status == 503 and retry_after, status
-    assert took < 0.2, f"waited {took:.2f}s for a pooled connection"
+    # Answered while both slots were still taken: it did not wait for one to free.
+    assert not any(t.done() for t in busy), "waited for a pooled connection"
     assert [s for s, _, _ in await asyncio.gather(*busy)] == [200, 200]
     # Capacity is back: the backend was not ejected for being busy.
-    status, took, _ = await one(JSON)
+    status, _, _ = await one(JSON)
     assert status == 200
     async with session.get(admin_url(gw, "/metrics")) as r:
         assert r.status == 200

@@ -43,11 +43,12 @@ async def test_drain_cuts_streams_at_the_grace_not_twice_it(
                 with pytest.raises(aiohttp.ClientPayloadError):
                     await r.read()
                 cut = time.monotonic() - term
-            assert await asyncio.wait_for(gw.proc.wait(), 10) == 0
+            assert await asyncio.wait_for(gw.proc.wait(), 30) == 0
             exited = time.monotonic() - term
-    # The stream had its grace, and no more than the grace plus the short cancel wait.
-    assert grace - 0.1 <= cut <= grace + 1.0, cut
-    assert exited <= grace + 1.5, exited
+    # The stream had its grace, and less than twice it (the bug this guards against): the
+    # upper bounds sit a whole grace above the expected times, which no load here reaches.
+    assert grace - 0.1 <= cut < 2 * grace, cut
+    assert exited < 2 * grace + 0.5, exited
 
 
 class _Scripted(ScriptedBackend):

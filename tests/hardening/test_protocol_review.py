@@ -94,9 +94,7 @@ async def test_a_client_that_leaves_a_reply_unread_is_reset_and_the_upstream_clo
     sock = _unread_socket(gw.port)
     try:
         sock.send(head + body)
-        started = time.monotonic()
-        await asyncio.wait_for(stub.disconnect_event.wait(), 10)
-        took = time.monotonic() - started
+        await asyncio.wait_for(stub.disconnect_event.wait(), 30)
     finally:
         sock.close()
     server = gw._http_server
@@ -104,7 +102,6 @@ async def test_a_client_that_leaves_a_reply_unread_is_reset_and_the_upstream_clo
     assert server.send_timeouts == 1
     # The stream filled the buffers, then stayed paused for client_send_s: reset, and the
     # backend saw its request's connection close (SGLang aborts the generation on it).
-    assert took < 6, took
     async with (
         aiohttp.ClientSession() as s,
         s.get(f"http://127.0.0.1:{gw.admin_port}/metrics") as r,
@@ -185,7 +182,9 @@ async def test_ttfb_is_a_deadline_for_the_head_not_a_silence(make_gateway: Gatew
     finally:
         await backend.stop()
     assert status == 504
-    assert 1.9 <= took < 3.5, took
+    # Due at 2 s; the old per-byte restart answered after about 24 s. The upper bound sits
+    # between the two, far from both, so a loaded machine cannot cross it.
+    assert 1.9 <= took < 12, took
     assert backend.requests == 1
 
 

@@ -124,15 +124,17 @@ async def test_register_pause_and_update_through_different_replicas(
                 assert status == 200
             t0 = time.perf_counter()
             posted = asyncio.ensure_future(a.call("POST", "/workers", json={"url": stub.url}))
-            while stub.url not in await c.urls():
-                await asyncio.sleep(0.002)
+            # Only the watch carries it (nothing relists on a timer): the bound ends a wait
+            # that would never end, and the figures below are for reading, not asserting.
+            async with asyncio.timeout(30):
+                while stub.url not in await c.urls():
+                    await asyncio.sleep(0.002)
             times.append(time.perf_counter() - t0)
             assert (await posted)[0] == 200
         print(
             f"\npropagation a -> c: median {statistics.median(times) * 1000:.1f} ms, "
             f"max {max(times) * 1000:.1f} ms"
         )
-        assert max(times) < 1.0
         await settle(b, stubs)
         await settle(c, stubs)
 
@@ -355,14 +357,13 @@ async def test_an_abort_by_rid_through_another_replica_reaches_the_owner(
         body = orjson.dumps({"text": "long", "rid": "rollout-7"})
         slow = {**JSON, "X-Stub-Delay-Ms": "30000"}
         rollout = asyncio.ensure_future(a.call("POST", "/generate", data=body, headers=slow))
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(30):
             while not any(s.generations_seen for s in (first, second)):
                 await asyncio.sleep(0.02)
-        t0 = time.monotonic()
         status, reply = await b.call("POST", "/abort_request", json={"rid": "rollout-7"})
         assert status == 200
         assert {r["url"] for r in reply["results"]} == {first.url, second.url}
-        status, out = await asyncio.wait_for(rollout, 5)
+        # Ended by the abort, well before its 30 s delay: the finish reason says which.
+        status, out = await asyncio.wait_for(rollout, 20)
         assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort"
-        assert time.monotonic() - t0 < 5
         assert first.aborted + second.aborted == 1

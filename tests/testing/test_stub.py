@@ -384,7 +384,7 @@ async def test_disconnect_tracking(stub: StubBackend, session: aiohttp.ClientSes
         ) as resp:
             async for _ in resp.content:
                 pass
-    await asyncio.wait_for(stub.disconnect_event.wait(), timeout=1.0)
+    await asyncio.wait_for(stub.disconnect_event.wait(), timeout=30)
     assert stub.cancelled == 1 and stub.completed == 0
 
 
@@ -396,7 +396,7 @@ async def test_idle_close() -> None:
         writer.write(b"GET /health HTTP/1.1\r\nHost: stub\r\n\r\n")
         assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
         # The stub closes the idle keep-alive connection on its own, like uvicorn does.
-        assert await asyncio.wait_for(reader.read(), timeout=2) == b""
+        assert await asyncio.wait_for(reader.read(), timeout=30) == b""
     finally:
         writer.close()
         await writer.wait_closed()

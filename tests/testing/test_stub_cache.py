@@ -69,7 +69,7 @@ async def test_the_stub_reports_cached_and_prompt_tokens(session: aiohttp.Client
 
 
 async def test_prefill_time_grows_with_the_uncached_prompt(session: aiohttp.ClientSession) -> None:
-    stub = StubBackend(prefix_cache=PrefixCache(100_000, 16, prefill_s_per_token=0.0002))
+    stub = StubBackend(prefix_cache=PrefixCache(100_000, 16, prefill_s_per_token=0.0005))
     await stub.start()
     try:
 
@@ -81,9 +81,10 @@ async def test_prefill_time_grows_with_the_uncached_prompt(session: aiohttp.Clie
             return time.monotonic() - t
 
         long = prompt(2000)
-        cold = await timed(long)  # 2000 uncached tokens: 0.4 s
-        warm = await timed(long + " again")  # ~17 uncached
-        assert cold >= 0.38 and warm < cold / 4
+        cold = await timed(long)  # 2000 uncached tokens: 1 s
+        warm = await timed(long + " again")  # ~17 uncached: under 10 ms of prefill
+        # A quarter of the cold time leaves a loaded machine 240 ms for one local request.
+        assert cold >= 0.98 and warm < cold / 4
     finally:
         await stub.stop()
 

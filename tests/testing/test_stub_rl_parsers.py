@@ -39,7 +39,7 @@ async def stream(session: aiohttp.ClientSession, url: str, body: object, **kw: A
     return [orjson.loads(d) for d in data[:-1]]
 
 
-async def until(check: Any, timeout: float = 5.0) -> None:
+async def until(check: Any, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         assert time.monotonic() < deadline, "condition not met in time"
