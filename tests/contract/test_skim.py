@@ -107,6 +107,7 @@ async def _verdict(kind: Kind, body: bytes) -> Any:
     return resolve(await inspect_large(kind, body, POLICY, InspectionBudget(1 << 30), wait_s=1))
 
 
+@pytest.mark.property
 @pytest.mark.parametrize("seed", range(4))
 async def test_skimmed_bodies_are_judged_exactly_as_on_orjsons_full_reading(seed: int) -> None:
     rng = random.Random(seed)
@@ -163,6 +164,7 @@ async def test_an_error_is_reported_where_it_is_in_the_original_body() -> None:
     assert got is not None and expected in got.message
 
 
+@pytest.mark.property
 def test_slices_agree_with_orjson_on_random_lists() -> None:
     rng = random.Random(7)
     tokens = [b"0", b"1", b"-1", b"05", b"-0", b"00", b"-", b"--1", b"1-", b" ", b""]

@@ -23,6 +23,8 @@ from gateway.testing.stub import StubBackend
 from tests.conftest import GatewayFactory, gw_url, wait_for
 from tests.hardening.checks import fd_count, vmrss_kib
 
+pytestmark = pytest.mark.heavy
+
 JSON = {"Content-Type": "application/json"}
 
 
