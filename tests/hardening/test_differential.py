@@ -229,7 +229,7 @@ def test_differential_gateway_against_sglang_model(live: LiveGateway) -> None:
 @pytest.mark.slow
 # 20,000 bodies through real sockets take about 2-4 minutes on a 2-core machine: more
 # than the suite's 120 s default, which is meant for a test that hangs.
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_differential_long_random_run(live: LiveGateway) -> None:
     stats = run_differential(live, max_examples=examples(20_000), derandomize=False)
     _report(stats)

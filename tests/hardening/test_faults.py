@@ -429,6 +429,8 @@ async def test_keepalive_race_worst_case_never_reaches_a_client(
 
 
 @pytest.mark.slow
+# 14 rounds of waiting out a 5 s idle close: over a minute of sleeps before any load.
+@pytest.mark.timeout(300)
 async def test_keepalive_race_at_uvicorn_timings(make_gateway: GatewayFactory) -> None:
     """The real numbers: uvicorn closes idle connections after 5 s; the default pool after 4 s."""
     statuses = await keepalive_race(make_gateway, 5.0, 4.0, rounds=14)
