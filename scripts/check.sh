@@ -4,6 +4,8 @@
 #   scripts/check.sh                 bounded suite (minutes)
 #   scripts/check.sh --slow          also the long load and soak tests
 #   scripts/check.sh --pure          the pure build only: a quicker loop while editing
+#   scripts/check.sh --quick         the inner loop: pure build, no slow, heavy or property
+#                                    tests, on every test directory (docs/testing.md)
 #   scripts/check.sh [...] TESTS...  those pytest arguments instead, on each build
 # The compiled build (mypyc, scripts/build-compiled.sh) runs every test; the pure build, the
 # editable .venv, runs the contract, edge and hardening tests and tests/test_build.py.
@@ -13,10 +15,12 @@ EXTRAS=dev scripts/bootstrap.sh
 export PATH="$PWD/.venv/bin:$PATH"
 marker=(-m "not slow")
 builds=both
+quick=
 while [ $# -gt 0 ]; do
   case "$1" in
     --slow) marker=(); shift ;;
     --pure) builds=pure; shift ;;
+    --quick) builds=pure; quick=1; marker=(-m "not slow and not heavy and not property"); shift ;;
     *) break ;;
   esac
 done
@@ -43,8 +47,9 @@ mark
 
 pure=("$@")
 [ $# -gt 0 ] || pure=(tests/contract tests/edge tests/hardening tests/test_build.py)
+[ $# -gt 0 ] || [ -z "$quick" ] || pure=(tests)
 echo "== pytest, pure build: ${pure[*]}"
-SGLANG_GATEWAY_EXPECT_BUILD=pure python -m pytest -q -p no:cacheprovider "${marker[@]}" "${pure[@]}"
+SGLANG_GATEWAY_EXPECT_BUILD=pure pytest -q -p no:cacheprovider "${marker[@]}" "${pure[@]}"
 mark
 if [ "$builds" = both ]; then
   echo "== compiled build (scripts/build-compiled.sh)"
@@ -55,7 +60,9 @@ if [ "$builds" = both ]; then
   mark
   echo "== pytest, compiled build: ${*:-all tests}"
   # From a copy of tests/ beside no gateway/ (scripts/build-compiled.sh): only the
-  # compiled package can be imported, in every process the tests start.
+  # compiled package can be imported, in every process the tests start. `python -m pytest`
+  # because .venv-compiled has no pytest script of its own (its packages come from .venv's
+  # site-packages by a .pth); the cwd it puts on sys.path holds tests/ and no gateway/.
   (cd .build/compiled-run && SGLANG_GATEWAY_EXPECT_BUILD=compiled \
     ../../.venv-compiled/bin/python -m pytest -q -p no:cacheprovider "${marker[@]}" "$@")
   mark

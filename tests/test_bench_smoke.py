@@ -18,13 +18,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow  # starts the whole benchmark harness: run by scripts/check.sh --slow
+# The harness may take its own bound on a loaded 2-core machine; the test's is above it.
+@pytest.mark.timeout(300)
 def test_bench_smoke_runs_and_writes_results(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "run.py"), "--smoke", "--out", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=110,
+        timeout=240,
         check=False,
         env={**os.environ, "BENCH_NO_VENV": "1"},
     )

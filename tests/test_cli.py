@@ -33,6 +33,7 @@ async def run_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, s
     return proc.returncode, out.decode(), err.decode()
 
 
+@pytest.mark.heavy
 async def test_check_config_prints_the_frozen_config_as_yaml(tmp_path: Path) -> None:
     code, out, _ = await run_cli("--check-config", "--backend", "http://127.0.0.1:30000")
     assert code == 0
@@ -50,6 +51,7 @@ async def test_check_config_prints_the_frozen_config_as_yaml(tmp_path: Path) -> 
     assert orjson.loads(as_json) == cfg
 
 
+@pytest.mark.heavy
 async def test_every_key_settable_from_the_environment(tmp_path: Path) -> None:
     """File, then environment over it, then flags over both."""
     file = tmp_path / "gw.yaml"
@@ -266,6 +268,7 @@ async def test_stub_runs_as_a_module() -> None:
         assert await asyncio.wait_for(proc.wait(), timeout=10) == 0
 
 
+@pytest.mark.heavy
 async def test_sighup_reloads_the_config_file(stub: StubBackend, tmp_path: Path) -> None:
     path = tmp_path / "gw.yaml"
     base = (
@@ -376,6 +379,7 @@ async def test_a_config_error_never_prints_a_secret(env: dict[str, str]) -> None
     assert "invalid config" in err
 
 
+@pytest.mark.heavy
 async def test_the_mask_check_config_prints_is_refused_as_a_secret(tmp_path: Path) -> None:
     """Saved --check-config output holds "**********" where each secret was: running it
     would make that string an operator key."""

@@ -47,6 +47,7 @@ async def engines(n: int) -> AsyncIterator[list[str]]:
             await proc.wait()
 
 
+@pytest.mark.heavy
 async def test_a_router_command_line_starts_a_gateway_that_serves() -> None:
     port, prometheus = free_port(), free_port()
     async with engines(2) as urls:
@@ -110,6 +111,7 @@ async def test_a_router_command_line_starts_a_gateway_that_serves() -> None:
             assert await asyncio.wait_for(proc.wait(), 30) == 0
 
 
+@pytest.mark.heavy
 async def test_the_flags_become_the_config() -> None:
     code, out, err = await run(
         "--worker-urls",
@@ -181,6 +183,7 @@ async def test_pd_disaggregation_takes_the_routers_prefill_and_decode_flags() ->
     assert b["prefill_balancer"] == "cache_aware" and b["decode_balancer"] == "round_robin"
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     ("args", "needle"),
     [

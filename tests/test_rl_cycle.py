@@ -28,6 +28,8 @@ from gateway.testing.stub import StubBackend
 from tests.conftest import free_port, gateway_process, spawn
 from tests.etcd import EtcdServer, etcd_binary
 
+pytestmark = pytest.mark.heavy
+
 ENGINES = 4
 SESSION_HEADER = "X-SMG-Routing-Key"  # what slime sends to keep a multi-turn rollout on one engine
 CONTROL_PATHS = (

@@ -13,6 +13,7 @@ from gateway.contract.policy import MASK_MESSAGE, BodyRules, resolve
 from gateway.contract.routes import Kind
 from gateway.testing.stub import StubBackend
 from tests.conftest import GatewayFactory, gw_url
+from tests.property_scale import examples
 
 KEY = "return_sampling_mask"
 
@@ -34,6 +35,8 @@ def has_key(obj: object) -> bool:
     return False
 
 
+@pytest.mark.property
+@settings(max_examples=examples(100))
 @given(st.lists(st.booleans(), min_size=len(KEY), max_size=len(KEY)), st.booleans())
 def test_every_escaped_spelling_of_the_key_is_caught(escaped: list[bool], upper: bool) -> None:
     key = spell(KEY, escaped, upper)
@@ -56,7 +59,8 @@ json_values = st.recursive(
 )
 
 
-@settings(max_examples=400)
+@pytest.mark.property
+@settings(max_examples=examples(400))
 @given(json_values)
 def test_scan_never_misses_a_key_orjson_would_see(value: object) -> None:
     body = orjson.dumps({"v": value})
@@ -64,7 +68,8 @@ def test_scan_never_misses_a_key_orjson_would_see(value: object) -> None:
         assert may_hold_mask_key(body)
 
 
-@settings(max_examples=300)
+@pytest.mark.property
+@settings(max_examples=examples(300))
 @given(
     st.text(alphabet='\\"\nu/\x01a\u00e9', max_size=40),
     st.lists(st.booleans(), min_size=len(KEY), max_size=len(KEY)),

@@ -23,6 +23,7 @@ from gateway.contract.policy import READS, SHAPE_ONLY, BodyRules, ParallelSample
 from gateway.contract.routes import Kind, RouteTable
 from tests.hardening.bodies import requests
 from tests.hardening.corpus import CASES
+from tests.property_scale import examples
 
 POLICY = BodyRules(samples=ParallelSampleCap(1024))
 KINDS = [Kind.GENERATE, Kind.VERTEX, Kind.CHAT, Kind.COMPLETIONS, Kind.RESPONSES]
@@ -238,8 +239,9 @@ def test_adversarial_corpus_reads_like_orjson(case: Any) -> None:
     assert_same_reading(case.body)
 
 
+@pytest.mark.property
 @seed(6)
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests())
 def test_generated_requests_decide_like_a_full_parse(request: tuple[str, bytes]) -> None:
     path, body = request

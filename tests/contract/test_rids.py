@@ -20,6 +20,7 @@ from gateway.contract.inspection import inspect_body
 from gateway.contract.policy import BodyRules, request_ids
 from gateway.contract.rids import top_level_rids, top_level_rids_sliced
 from gateway.contract.routes import Kind
+from tests.property_scale import examples
 
 # Long enough that the walk runs (below _WALK_FROM the body is parsed).
 IDS = b"[" + b",".join(str(100 + i).encode() for i in range(2000)) + b"]"
@@ -160,7 +161,8 @@ def encode(value: object, rnd: random.Random) -> bytes:
     return orjson.dumps(value)
 
 
-@settings(max_examples=500, deadline=None)
+@pytest.mark.property
+@settings(max_examples=examples(500), deadline=None)
 @given(
     st.dictionaries(KEYS, VALUES, max_size=5), st.integers(0, 5), st.randoms(use_true_random=False)
 )
@@ -174,7 +176,8 @@ def test_the_walk_never_answers_other_than_the_parser(
     assert found is None or found == truth(body)
 
 
-@settings(max_examples=200, deadline=None)
+@pytest.mark.property
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(st.text(alphabet="abc-0", max_size=6), max_size=4), st.integers(0, 3))
 def test_plain_rids_are_read_without_a_parse(rids: list[str], where: int) -> None:
     """The layouts RL frameworks send (plain string ids, anywhere at the top level) never

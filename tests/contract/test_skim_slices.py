@@ -316,6 +316,7 @@ def _same(got: sk.Skimmed | None, want: sk.Skimmed | None) -> bool:
     )
 
 
+@pytest.mark.property
 async def test_the_sliced_skim_answers_as_the_skim_before_it(
     tiny: random.Random, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -175,6 +175,7 @@ async def test_a_relayed_caller_is_not_trusted_by_its_proxys_address(
     assert (await send(gw, "POST", "/stop_profile", b"{}")).status == 200
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     ("proxies", "warned"),
     [("[127.0.0.1/32]", True), ("['::1/128']", True), ("[10.0.0.0/8]", False), ("[]", False)],

@@ -15,6 +15,7 @@ import time
 
 import aiohttp
 import orjson
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import Gateway
@@ -111,6 +112,7 @@ async def test_a_held_client_that_leaves_is_dropped_at_once(
     assert reader.at_eof() or not await reader.read()
 
 
+@pytest.mark.heavy
 async def test_a_hold_that_runs_out_is_a_503_naming_the_setting(
     stubs: list[StubBackend], make_gateway: GatewayFactory
 ) -> None:
@@ -207,6 +209,7 @@ async def test_holds_are_bounded_by_the_slots_the_paused_engines_will_have(
     assert (holds["held"], holds["released"], holds["refused"]) == (2, 2, 1)
 
 
+@pytest.mark.heavy
 async def test_a_held_body_takes_from_the_memory_bound(
     stubs: list[StubBackend], make_gateway: GatewayFactory
 ) -> None:

@@ -119,6 +119,7 @@ async def test_a_shared_system_prompt_spreads_over_the_engines(
     assert sum(1 for m in metas if m["cached_tokens"] >= 1400) >= 32 - 2 * len(engines)
 
 
+@pytest.mark.heavy
 async def test_an_overloaded_owner_is_balanced_away(
     engines: list[StubBackend], make_gateway: GatewayFactory, session: aiohttp.ClientSession
 ) -> None:
@@ -156,6 +157,7 @@ async def test_an_overloaded_owner_is_balanced_away(
     assert len(balanced) == 1
 
 
+@pytest.mark.heavy
 async def test_session_affinity_spills_when_its_worker_is_overloaded(
     engines: list[StubBackend], make_gateway: GatewayFactory, session: aiohttp.ClientSession
 ) -> None:

@@ -257,6 +257,7 @@ async def test_an_expired_watch_relists_at_once_logged_at_info_and_counted(
 # -- the API server goes away and comes back ---------------------------------------------------
 
 
+@pytest.mark.heavy
 async def test_an_api_server_that_goes_away_is_unreachable_until_it_comes_back(
     make_gateway: GatewayFactory,
     api: FakeKubernetesApi,

@@ -21,6 +21,8 @@ import pytest
 from gateway.fleet.pool import Health
 from tests.conftest import GatewayFactory, start_stub_process
 
+pytestmark = pytest.mark.heavy
+
 
 @dataclass
 class Run:

@@ -162,6 +162,7 @@ async def test_idle_stream_is_cut_and_total_deadline_applies(
 # -- limits ----------------------------------------------------------------------------------
 
 
+@pytest.mark.heavy
 async def test_concurrency_cap_queues_briefly_then_503(
     stub: StubBackend, make_gateway: GatewayFactory, session: aiohttp.ClientSession
 ) -> None:

@@ -155,6 +155,7 @@ def test_a_document_with_adapters_of_the_wrong_type_is_damaged() -> None:
     assert validate(doc) is doc
 
 
+@pytest.mark.heavy
 async def test_a_worker_keeps_what_an_engine_reported_when_a_sibling_shares_a_change(
     tmp_path: Path,
 ) -> None:

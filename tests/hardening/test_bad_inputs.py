@@ -228,6 +228,7 @@ async def test_backend_redirect_goes_back_to_the_client(
 # -- forwarded bytes ------------------------------------------------------------------------------
 
 
+@pytest.mark.property
 async def test_forwarded_bytes_hash_identical_for_thousands_of_bodies(
     stub: StubBackend, gateway: Gateway, session: aiohttp.ClientSession
 ) -> None:

@@ -22,6 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.testing.stub import StubBackend
 from tests.conftest import gateway_process, process_config
 
+pytestmark = pytest.mark.heavy
+
 NOFILE = 256
 OK = orjson.dumps({"text": "x", "sampling_params": {"top_k": 2}})
 

@@ -29,6 +29,7 @@ from pydantic import TypeAdapter, ValidationError
 from tests import sglang_model as sglang
 from tests.hardening.bodies import requests
 from tests.hardening.live import LiveGateway, exchange
+from tests.property_scale import examples
 
 OPENAI_ROUTES = frozenset({"/v1/chat/completions", "/invocations", "/v1/completions"})
 OPENAI_ROUTES |= {"/v1/responses"}
@@ -212,10 +213,11 @@ def _report(stats: Counter[str]) -> None:
     print("differential:", dict(stats))  # shown with -s; figures for the hardening report
 
 
+@pytest.mark.property
 def test_differential_gateway_against_sglang_model(live: LiveGateway) -> None:
-    stats = run_differential(live, max_examples=1500, derandomize=True)
+    stats = run_differential(live, max_examples=examples(1500), derandomize=True)
     _report(stats)
-    assert stats["bodies"] >= 1000
+    assert stats["bodies"] >= examples(1000)
     # The property is only as good as what it exercises: most bodies must be forwarded
     # and checked byte for byte, and many must be unbounded mask requests.
     assert stats["forwarded"] >= 0.3 * stats["bodies"]
@@ -223,11 +225,12 @@ def test_differential_gateway_against_sglang_model(live: LiveGateway) -> None:
     assert stats["unbounded mask (must be refused)"] >= 0.1 * stats["bodies"]
 
 
+@pytest.mark.property
 @pytest.mark.slow
 # 20,000 bodies through real sockets take about 2-4 minutes on a 2-core machine: more
 # than the suite's 120 s default, which is meant for a test that hangs.
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_differential_long_random_run(live: LiveGateway) -> None:
-    stats = run_differential(live, max_examples=20_000, derandomize=False)
+    stats = run_differential(live, max_examples=examples(20_000), derandomize=False)
     _report(stats)
     assert stats["forwarded"] >= 0.3 * stats["bodies"]

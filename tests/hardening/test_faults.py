@@ -318,6 +318,7 @@ async def gateway_process(
         await proc.wait()
 
 
+@pytest.mark.heavy
 async def test_sigterm_drains_streams_within_grace_then_exits_0(
     stub: StubBackend, gateway_process: tuple[asyncio.subprocess.Process, int, int]
 ) -> None:
@@ -389,6 +390,7 @@ async def keepalive_race(
         await stub.stop()
 
 
+@pytest.mark.heavy
 async def test_keepalive_race_with_a_backend_closing_idle_connections(
     make_gateway: GatewayFactory,
 ) -> None:
@@ -397,6 +399,7 @@ async def test_keepalive_race_with_a_backend_closing_idle_connections(
     assert statuses and set(statuses) == {200}
 
 
+@pytest.mark.heavy
 async def test_keepalive_race_worst_case_never_reaches_a_client(
     make_gateway: GatewayFactory,
 ) -> None:
@@ -426,6 +429,8 @@ async def test_keepalive_race_worst_case_never_reaches_a_client(
 
 
 @pytest.mark.slow
+# 14 rounds of waiting out a 5 s idle close: over a minute of sleeps before any load.
+@pytest.mark.timeout(300)
 async def test_keepalive_race_at_uvicorn_timings(make_gateway: GatewayFactory) -> None:
     """The real numbers: uvicorn closes idle connections after 5 s; the default pool after 4 s."""
     statuses = await keepalive_race(make_gateway, 5.0, 4.0, rounds=14)
@@ -490,6 +495,7 @@ async def test_slow_body_is_408_at_the_deadline(
     assert stub.generation_requests() == []
 
 
+@pytest.mark.heavy
 async def test_client_that_stops_reading_a_64mb_response_pauses_the_upstream(
     stub: StubBackend, make_gateway: GatewayFactory
 ) -> None:
@@ -551,6 +557,7 @@ async def test_a_client_that_pauses_reading_gets_the_whole_response(
 # -- connection pool exhausted --------------------------------------------------------------------
 
 
+@pytest.mark.heavy
 async def test_pool_exhaustion_is_a_quick_503_and_does_not_eject_the_backend(
     stub: StubBackend, make_gateway: GatewayFactory, session: aiohttp.ClientSession
 ) -> None:

@@ -66,6 +66,7 @@ async def _post(port: int, body: bytes) -> int:
         return r.status
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("concurrent", [1, 2])
 async def test_peak_memory_of_64_mib_token_bodies_with_the_shipped_limits(
     tmp_path: Path, concurrent: int
@@ -89,6 +90,7 @@ async def test_peak_memory_of_64_mib_token_bodies_with_the_shipped_limits(
     assert peak < SIDECAR_LIMIT
 
 
+@pytest.mark.heavy
 async def test_two_64_mib_bodies_at_once_never_stall_the_loop_for_long() -> None:
     """The loop keeps turning while two large bodies are read, joined, skimmed, parsed and
     forwarded at once (issue 26, finding 8: one turn took 240 ms of them).
@@ -108,6 +110,7 @@ async def test_two_64_mib_bodies_at_once_never_stall_the_loop_for_long() -> None
     assert turns.worst_cpu < 0.025, f"{turns}"
 
 
+@pytest.mark.heavy
 def test_a_fast_upload_is_read_a_mebibyte_a_turn(monkeypatch: pytest.MonkeyPatch) -> None:
     """libuv reads up to 32 times 256 KiB in a row from a client that keeps sending, each
     read copied three times on its way into the body; the listener lets the loop turn

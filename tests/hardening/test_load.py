@@ -23,6 +23,8 @@ from gateway.testing.stub import StubBackend
 from tests.conftest import GatewayFactory, gw_url, wait_for
 from tests.hardening.checks import fd_count, vmrss_kib
 
+pytestmark = pytest.mark.heavy
+
 JSON = {"Content-Type": "application/json"}
 
 
@@ -172,6 +174,8 @@ async def test_exactly_once_accounting(stub: StubBackend, gateway: Gateway) -> N
 
 
 @pytest.mark.slow
+# 20,000 requests through real sockets: minutes on a loaded 2-core machine.
+@pytest.mark.timeout(900)
 async def test_exactly_once_accounting_20000(stub: StubBackend, gateway: Gateway) -> None:
     figures = await exactly_once(stub, gateway, 20_000)
     assert figures["forwarded"] == figures["stub_received"]
@@ -252,6 +256,8 @@ async def test_no_leaks_over_five_rounds(stub: StubBackend, make_gateway: Gatewa
 
 
 @pytest.mark.slow
+# Five rounds of 4,000 requests, each waiting for the closes to settle.
+@pytest.mark.timeout(900)
 async def test_no_leaks_over_five_full_rounds(
     stub: StubBackend, make_gateway: GatewayFactory
 ) -> None:
@@ -332,6 +338,8 @@ async def test_concurrent_long_sse_streams(stub: StubBackend, make_gateway: Gate
 
 
 @pytest.mark.slow
+# 1,000 long streams at once from one test process.
+@pytest.mark.timeout(600)
 async def test_1000_concurrent_long_sse_streams(
     stub: StubBackend, make_gateway: GatewayFactory
 ) -> None:

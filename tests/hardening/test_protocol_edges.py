@@ -24,6 +24,7 @@ STREAM = orjson.dumps({"text": "x", "stream": True, "sampling_params": {"top_k":
 JSON = {"Content-Type": "application/json"}
 
 
+@pytest.mark.heavy
 async def test_drain_cuts_streams_at_the_grace_not_twice_it(
     stub: StubBackend, tmp_path: Path
 ) -> None:

@@ -45,6 +45,7 @@ def _unread_socket(port: int) -> socket.socket:
 # -- finding 2: a client that sends and never reads -------------------------------------------
 
 
+@pytest.mark.heavy
 async def test_a_client_that_pipelines_and_never_reads_holds_bounded_memory(
     stub: StubBackend, tmp_path: Path
 ) -> None:
@@ -110,6 +111,7 @@ async def test_a_client_that_leaves_a_reply_unread_is_reset_and_the_upstream_clo
     assert "sglang_gateway_client_send_timeouts_total 1.0" in text
 
 
+@pytest.mark.heavy
 async def test_a_slow_reader_that_keeps_reading_is_not_reset(
     stub: StubBackend, make_gateway: GatewayFactory
 ) -> None:
@@ -161,6 +163,7 @@ class _Trickle(ScriptedBackend):
         return False
 
 
+@pytest.mark.heavy
 async def test_ttfb_is_a_deadline_for_the_head_not_a_silence(make_gateway: GatewayFactory) -> None:
     """Before: each byte restarted the wait, so with ttfb_s 2 a head sent a byte every
     0.3 s was relayed as a 200 after about 24 s. Now the head is due ttfb_s after the
@@ -188,6 +191,7 @@ async def test_ttfb_is_a_deadline_for_the_head_not_a_silence(make_gateway: Gatew
     assert backend.requests == 1
 
 
+@pytest.mark.heavy
 async def test_the_body_still_gets_its_idle_timeout_after_the_head(
     make_gateway: GatewayFactory,
 ) -> None:
@@ -224,6 +228,7 @@ async def test_the_body_still_gets_its_idle_timeout_after_the_head(
 # -- finding 4: pipelines whose reads end inside a head ---------------------------------------
 
 
+@pytest.mark.heavy
 async def test_a_long_valid_pipeline_gets_every_answer(stub: StubBackend, gateway: Gateway) -> None:
     """Before: a read that began and ended inside heads counted whole toward the head cap,
     so 20,000 pipelined GET /health got a 431 after about 13,000 answers. Each is answered

@@ -25,6 +25,8 @@ import pytest
 from gateway.testing.stub import StubBackend
 from tests.conftest import free_port, spawn
 
+pytestmark = pytest.mark.heavy
+
 MASK = orjson.dumps({"text": "x", "sampling_params": {"top_p": 0.9}, "return_sampling_mask": True})
 ENFORCE = "enforce"
 LOG_ONLY = "log_only"

@@ -74,6 +74,7 @@ async def test_json_format_makes_every_line_json(stub: StubBackend, tmp_path: Pa
     assert any("stopped" in m for m in messages)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     ("header", "logged"),
     [
@@ -102,6 +103,7 @@ async def test_trace_id_only_from_a_valid_traceparent(
     assert stub.received[-1].headers.get("traceparent") == header
 
 
+@pytest.mark.heavy
 async def test_no_line_lost_at_sigterm(stub: StubBackend, tmp_path: Path) -> None:
     """Lines still in the batch when SIGTERM arrives are written before the exit."""
     n = 300

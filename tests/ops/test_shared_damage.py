@@ -31,6 +31,8 @@ from gateway.fleet.shared import STATE_ENV, validate
 from gateway.testing.stub import StubBackend
 from tests.conftest import free_port, spawn
 
+pytestmark = pytest.mark.heavy
+
 VIEWS = 30
 SHARED_LOGGER = "gateway.fleet.shared"
 

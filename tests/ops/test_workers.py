@@ -10,12 +10,15 @@ from pathlib import Path
 
 import aiohttp
 import orjson
+import pytest
 from prometheus_client.openmetrics.parser import text_fd_to_metric_families
 
 from gateway.ops.supervisor import merge_metrics
 from gateway.testing.stub import StubBackend
 from tests.conftest import free_port, spawn
 from tests.fleet.kubeapi import FakeKubernetesApi
+
+pytestmark = pytest.mark.heavy
 
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 

@@ -24,6 +24,8 @@ from gateway.fleet.pool import worker_id
 from gateway.testing.stub import StubBackend
 from tests.conftest import free_port, spawn
 
+pytestmark = pytest.mark.heavy
+
 FRESH = 24  # fresh connections per check: both workers take some (checked on the metrics)
 GEN = orjson.dumps({"text": "x", "sampling_params": {"max_new_tokens": 2}})
 JSON = {"Content-Type": "application/json"}

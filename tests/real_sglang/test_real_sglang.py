@@ -37,10 +37,13 @@ from gateway.contract.policy import BodyRules, resolve
 from gateway.contract.profiles import MaskProfile, MaskRule
 from gateway.contract.routes import Kind
 from tests.hardening.bodies import requests
+from tests.property_scale import examples
 from tests.real_sglang.wheels import Unavailable, unpacked
 
+pytestmark = [pytest.mark.heavy, pytest.mark.property]
+
 JUDGE = Path(__file__).with_name("judge.py")
-BODIES = 3000  # about half are /generate bodies
+BODIES = examples(3000)  # about half are /generate bodies
 
 # (release, --sampling-mask-max-tokens, the gateway profile for that backend)
 RELEASES = [

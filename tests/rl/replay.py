@@ -264,6 +264,32 @@ async def eventually(predicate: Callable[[], Any], timeout: float) -> bool:
         await asyncio.sleep(0.02)
 
 
+def _probe_reads(engine: StubBackend) -> int:
+    """The health probe's weight reads (/model_info) the engine has answered."""
+    return sum(r.path in ("/model_info", "/get_model_info") for r in engine.received)
+
+
+async def within_probes(
+    engines: list[StubBackend], predicate: Callable[[], Any], probes: int = 3
+) -> bool:
+    """Whether the predicate turns true before every engine has answered `probes` more
+    probe reads: "within one probe interval" counted in probes (the read in flight, the
+    next, one more before the predicate is asked again), which load stretches in seconds
+    but not in number. 30 s only ends a wait for a gateway that stopped probing."""
+    start = [_probe_reads(e) for e in engines]
+
+    async def seen_or_past() -> bool:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        past = all(_probe_reads(e) - s > probes for e, s in zip(engines, start, strict=True))
+        seen.append(bool(value))
+        return bool(value) or past
+
+    seen: list[bool] = []
+    return await eventually(seen_or_past, 30) and seen[-1]
+
+
 async def engine_load(engine: StubBackend) -> int:
     """Running plus waiting requests on one engine, from its own /v1/loads (not recorded:
     the replay's observer, not a framework call)."""
@@ -313,7 +339,7 @@ async def register(
         await fallback.call(method, c.url + path, **kw)
 
 
-async def direct_version_seen(c: Cluster, operator: Client, version: str, within_s: float) -> None:
+async def direct_version_seen(c: Cluster, operator: Client, version: str) -> None:
     """After one engine was updated to `version` behind the gateway's back: GET /workers
     shows it for that engine, and replies it serves say so in X-Weight-Version (item 2)."""
     target = c.engines[0]
@@ -326,7 +352,7 @@ async def direct_version_seen(c: Cluster, operator: Client, version: str, within
         )
 
     c.ledger.check(
-        await eventually(listed, within_s),
+        await within_probes(c.engines, listed),
         2,
         f"GET /workers shows the engine-direct update to {version!r} within one probe interval",
     )

@@ -18,6 +18,8 @@ import asyncio
 import uuid
 from typing import Any
 
+import pytest
+
 from tests.rl.replay import (
     CLUSTER,
     ENGINES,
@@ -30,15 +32,17 @@ from tests.rl.replay import (
     Cluster,
     all_healthy,
     cluster,
-    eventually,
     list_workers,
     running,
+    within_probes,
 )
+
+pytestmark = pytest.mark.heavy
 
 SLOW = {"X-Stub-Delay-Ms": "30000"}
 # One probe interval for the change to be seen (it lands between two probes), plus the
 # probe's own round trip and the read of the answer.
-WITHIN_ONE_PROBE_S = PROBE_S + 0.25
+ONE_PROBE_S = PROBE_S + 0.25
 
 
 # --- slime's own rules, rewritten ------------------------------------------------------------
@@ -151,7 +155,7 @@ async def versions_follow(c: Cluster, driver: Client, version: str, what: str) -
         return {w["weight_version"] for w in workers} == {version}
 
     c.ledger.check(
-        await eventually(listed, WITHIN_ONE_PROBE_S),
+        await within_probes(c.engines, listed),
         2,
         f"{what}: GET /workers shows weight_version {version!r} within one probe interval",
     )
@@ -378,7 +382,7 @@ async def test_miles_replay() -> None:
                 "the engine has /load_lora_adapter_from_tensors (not in item 9's list)",
                 r.status,
             )
-        await asyncio.sleep(WITHIN_ONE_PROBE_S)  # the gateway learns adapters from the engines
+        await asyncio.sleep(ONE_PROBE_S)  # the gateway learns adapters from the engines
 
         # 3. A rollout of adapter "math" (miles/rollout/sglang_rollout.py:184-228): the slot as
         # lora_path, a rid carrying the adapter, its version as extra_key, the routing key.

@@ -22,6 +22,8 @@ import asyncio
 import uuid
 from typing import Any
 
+import pytest
+
 from tests.rl.replay import (
     CLUSTER,
     ENGINES,
@@ -39,8 +41,10 @@ from tests.rl.replay import (
     running,
 )
 
+pytestmark = pytest.mark.heavy
+
 SLOW = {"X-Stub-Delay-Ms": "30000"}
-WITHIN_ONE_PROBE_S = PROBE_S + 0.25
+ONE_PROBE_S = PROBE_S + 0.25
 LORA_NAME = "verl_actor_lora_name"  # verl/workers/rollout/sglang_rollout/utils.py:26
 
 
@@ -195,7 +199,7 @@ async def test_verl_replay() -> None:
             engines[0].url + "/update_weights_from_disk",
             json={"model_path": "/ckpt/step-3", "weight_version": "step-3"},
         )
-        await direct_version_seen(c, trainer, "step-3", WITHIN_ONE_PROBE_S)
+        await direct_version_seen(c, trainer, "step-3")
 
         # 7. LoRA as an adapter (sglang_rollout.py:337-356 over http_server_engine.py:790-813):
         # per engine, GET /v1/models to see whether the adapter is loaded, unload it if so,
@@ -218,7 +222,7 @@ async def test_verl_replay() -> None:
                 "the engine has /load_lora_adapter_from_tensors (not in item 9's list)",
                 r.status,
             )
-        await asyncio.sleep(WITHIN_ONE_PROBE_S)  # the gateway reads adapters off the engines
+        await asyncio.sleep(ONE_PROBE_S)  # the gateway reads adapters off the engines
         r = await agent.call(
             "POST", gw + "/generate", json=generate_request([8], uuid.uuid4().hex, lora=True)
         )

@@ -442,7 +442,7 @@ async def test_a_long_lived_stub_remembers_a_bounded_number_of_requests() -> Non
 
 
 def test_the_stub_cli_keeps_little_by_default() -> None:
-    from gateway.testing.stub.app import _parse_args
+    from gateway.testing.stub.cli import _parse_args
 
     args = _parse_args([])
     assert (args.keep, args.keep_body_bytes) == (1000, 4096)

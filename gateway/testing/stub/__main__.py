@@ -1,3 +1,3 @@
-from gateway.testing.stub.app import main
+from gateway.testing.stub.cli import main
 
 main()
