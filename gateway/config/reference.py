@@ -1,7 +1,8 @@
 """The configuration reference, generated from the models: `python -m gateway.config.reference`
 run from the repository root, writes docs/configuration-reference.md (`--check` says
-whether the checked-in file is current). The models are the one source: a field's comment in gateway/config/models.py is
-its description here, so the reference cannot drift from the code.
+whether the checked-in file is current). The models are the one source: a field's comment
+in gateway/config/models.py is its description here, so the reference cannot drift from
+the code.
 """
 
 from __future__ import annotations
