@@ -44,7 +44,7 @@ if [ "$apt" = 1 ]; then
   fi
 fi
 
-# The version issue 6 measured; SGLANG_ROUTER_SPEC=sglang-router takes the newest instead.
+# The version the original performance measurements used; SGLANG_ROUTER_SPEC=sglang-router takes the newest instead.
 spec=${SGLANG_ROUTER_SPEC:-sglang-router==0.3.2}
 if [ "$router" = 1 ] && ! bench/.venv-router/bin/python -c 'import sglang_router' 2>/dev/null; then
   echo "install-anchors: pip install $spec into bench/.venv-router"

@@ -1,6 +1,5 @@
 """Prefill/decode comparison: the same requests through the gateway (backends.mode: pd) and
-sglang-router --pd-disaggregation, in front of the same 2 prefill and 2 decode stub engines
-(issue 22).
+sglang-router --pd-disaggregation, in front of the same 2 prefill and 2 decode stub engines.
 
     python bench/pd.py            # writes bench/results/pd-*.json and .md
 

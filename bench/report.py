@@ -234,7 +234,7 @@ def _cpu(m: Json | None) -> float | None:
 
 
 def _goal(results: Json) -> list[str]:
-    """Issue 13's targets against this run: informational, never asserted."""
+    """The request-path targets against this run: informational, never asserted."""
     wl = results["workloads"]
     rows: list[tuple[str, str, bool | None]] = []
 
@@ -291,7 +291,7 @@ def _goal(results: Json) -> list[str]:
     if not rows:
         return []
     out = [
-        "## Issue 13 targets (informational; nothing is asserted)",
+        "## Request-path targets (informational; nothing is asserted)",
         "",
         "| target | measured | met |",
         "|---|---:|---|",

@@ -46,8 +46,12 @@ _LOG_LEVELS: Final = {
 _REFUSED: Final = {
     "--epd-disaggregation": "encode/prefill/decode routing is not built yet",
     "--encode": "encode/prefill/decode routing is not built yet",
-    "--prefill-selector": "use backends.discovery: kubernetes with its role label (README)",
-    "--decode-selector": "use backends.discovery: kubernetes with its role label (README)",
+    "--prefill-selector": (
+        "use backends.discovery: kubernetes with its role label (docs/fleet-control.md)"
+    ),
+    "--decode-selector": (
+        "use backends.discovery: kubernetes with its role label (docs/fleet-control.md)"
+    ),
     "--mini-lb": "the gateway is the load balancer",
     "--api-key": "a credential on the command line shows in every process listing; put it "
     "in a file: auth.upstream_authorization_file (what backends get) with --config",

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole test suite: format, lint, types, then the tests on both builds (README,
+# The whole test suite: format, lint, types, then the tests on both builds (docs/development.md,
 # "Builds"). Local runs and CI run exactly this.
 #   scripts/check.sh                 bounded suite (minutes)
 #   scripts/check.sh --slow          also the long load and soak tests

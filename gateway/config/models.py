@@ -189,7 +189,8 @@ SMG_POLICIES: Final[Mapping[str, tuple[str, str | None]]] = {
     # Fewest requests in flight through the gateway, where SMG's reads each engine's load.
     "least_load": ("least_inflight", None),
     # The longest prompt prefix each backend served, unless its load is too uneven; the
-    # prefix is of the request's bytes where SMG's tree is of its text (README).
+    # prefix is of the request's bytes where SMG's tree is of its text
+    # (docs/deployment.md, cache_aware).
     "cache_aware": ("cache_aware", None),
 }
 
@@ -261,8 +262,8 @@ class BackendsConfig(_Model):
     # sglang-router's --policy names are taken too (SMG_POLICIES): see _smg_policy.
     balancer: BalancerName = "least_inflight"
     # pd: every generation goes to one prefill and one decode worker together, which the
-    # KV cache passes between (README, "Prefill/decode disaggregation"); regular workers
-    # then serve none. regular: prefill and decode workers serve nothing.
+    # KV cache passes between (docs/fleet-control.md, "Prefill/decode disaggregation");
+    # regular workers then serve none. regular: prefill and decode workers serve nothing.
     mode: Literal["regular", "pd"] = "regular"
     # Workers by role, besides backends.static (regular ones): sglang-router's --prefill
     # URL [BOOTSTRAP_PORT] and --decode URL. A registered worker says its own worker_type.
@@ -336,7 +337,7 @@ class BackendsConfig(_Model):
             raise ValueError(
                 "backends.prefill and backends.decode list workers for static or registry "
                 f"discovery; with {self.discovery} discovery the role comes from the workers "
-                "themselves (README, prefill/decode disaggregation)"
+                "themselves (docs/fleet-control.md, prefill/decode disaggregation)"
             )
         if (self.prefill or self.decode) and self.mode != "pd":
             raise ValueError(

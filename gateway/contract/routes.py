@@ -100,7 +100,7 @@ CONTROL_ROUTES: Mapping[str, frozenset[str]] = {
     "/continue_generation": _POST,
     "/update_weights_from_disk": _POST,
     # Same body for every engine in AReaL and slime (names, dtypes, shapes, group name): the
-    # engines join one broadcast, so each must get it at once (issue 21).
+    # engines join one broadcast, so each must get it at once.
     "/update_weights_from_distributed": _POST,
     "/load_lora_adapter": _POST,
     "/unload_lora_adapter": _POST,

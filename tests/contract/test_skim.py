@@ -210,7 +210,7 @@ async def test_skim_yields_to_the_loop() -> None:
 
 MIB = 1 << 20
 _TAIL = b', "sampling_params": {"top_k": 2}}'
-# Shapes that held the loop in one step before issue 26, and for how long (CPU time on the
+# Shapes that held the loop in one step before Hardening III, and for how long (CPU time on the
 # 2-core development VM): a scan of a dense run, Python loops over blanks, a structure or a
 # string walked without a pause.
 _SHAPES = {

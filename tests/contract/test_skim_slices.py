@@ -1,7 +1,7 @@
 """The sliced scans of large bodies (gateway/contract/scan.py) answer exactly as one call
 over the whole body did.
 
-Issue 26 cut every scan of the skim into slices with a pause between them, so that no step
+Hardening III cut every scan of the skim into slices with a pause between them, so that no step
 holds the event loop for long. The rule must stay exactly as strict: `_reference_skim`
 below is the skim as it was before (one bytes.find, count, regex search or finditer per
 scan, no pauses), and the sliced skim must return the same reduced body, lengths and
@@ -28,7 +28,7 @@ SHAPE = frozenset({"input_ids", "input_embeds"})
 _STRING_STOP = re.compile(rb'["\\]')
 
 
-# -- the skim before issue 26, kept as the oracle ---------------------------------------------
+# -- the skim before Hardening III, kept as the oracle ---------------------------------------------
 
 
 class _GiveUp(Exception):

@@ -141,7 +141,7 @@ async def test_the_per_engine_paths_still_reach_the_one_engine_named(
 
 def test_the_list_is_the_per_engine_and_control_routes_and_holds_no_generation() -> None:
     assert set(ADDRESSABLE_ROUTES) == set(PER_ENGINE_ROUTES) | set(CONTROL_ROUTES)
-    # Issue 21 fans this one out too; one engine at a time must stay possible.
+    # The cluster work fans this one out too; one engine at a time must stay possible.
     assert "/update_weights_from_distributed" in ADDRESSABLE_ROUTES
     for path in ADDRESSABLE_ROUTES:
         assert "generate" not in path and "completions" not in path

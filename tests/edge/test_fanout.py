@@ -1,5 +1,5 @@
 """Engine calls the RL frameworks mean for the whole fleet, and requests only some engines
-can serve (issue 21, items 6 and 8), through a real gateway in front of stub engines.
+can serve, through a real gateway in front of stub engines.
 
 - `/update_weights_from_distributed`, `/load_lora_adapter`, `/unload_lora_adapter` and
   prefix aborts go to every engine; `/init_weights_update_group` (its `rank_offset` is the

@@ -203,7 +203,7 @@ MUTATIONS = [
         "        return out\n\n    @staticmethod",
         ["tests/hardening/test_load.py::test_exactly_once_accounting"],
     ),
-    # -- Hardening II (issue 12) ------------------------------------------------------------
+    # -- Hardening II --------------------------------------------------------------------
     (
         # Two layers, removed together: bytes while no response is expected are refused
         # before the parser, and a message that begins after the final head is refused by
@@ -344,7 +344,7 @@ MUTATIONS = [
         "    skimmed = None",
         ["tests/hardening/test_inspection_memory.py"],
     ),
-    # -- the RL fleet (issue 10) ------------------------------------------------------------
+    # -- the RL fleet --------------------------------------------------------------------
     (
         "control routes open to anyone",
         "gateway/edge/control.py",
@@ -493,7 +493,7 @@ MUTATIONS = [
         'shown = "" if route is None else path',
         ["tests/ops/test_logs.py"],
     ),
-    # -- issue 13: the request path's own client protocol ------------------------------------
+    # -- the request path's own client protocol ---------------------------------------------
     (
         "head deadline not armed at connect",
         "gateway/edge/server.py",
@@ -544,7 +544,7 @@ MUTATIONS = [
             "tests/hardening/test_faults.py::test_a_client_that_pauses_reading_gets_the_whole_response"
         ],
     ),
-    # -- Hardening III (issue 26): the request path's protocols ------------------------------
+    # -- Hardening III: the request path's protocols --------------------------------------
     (
         "the next pipelined request starts while replies sit unread",
         "gateway/edge/server.py",
@@ -645,7 +645,7 @@ MUTATIONS = [
         '        self.reason = self._reason.decode("latin-1")',
         ["tests/hardening/test_protocol_review.py::test_the_reason_phrase_passes_as_sent"],
     ),
-    # -- Hardening III (issue 26) -------------------------------------------------------------
+    # -- Hardening III ---------------------------------------------------------------------
     (
         "an addressed call may name any path",
         "gateway/edge/fleet_control.py",
@@ -763,7 +763,7 @@ MUTATIONS = [
             "tests/ops/test_shared_damage.py::test_a_change_that_cannot_be_shared_fails_says_so_and_the_workers_converge"
         ],
     ),
-    # -- issue 26: discovery errors, alerts and zero series (docs/hardening.md section 10)
+    # -- Hardening III: discovery errors, alerts and zero series (docs/hardening.md section 10)
     (
         "the API's Status message dropped from the log",
         "gateway/fleet/discovery.py",
@@ -991,7 +991,7 @@ MUTATIONS = [
         "    name: sglang-workers.llm.svc.cluster.local",
         ["tests/test_cli.py::test_example_configs_name_the_namespace_the_manifests_use"],
     ),
-    # -- Hardening III (issue 26): loop stalls with large bodies ------------------------------
+    # -- Hardening III: loop stalls with large bodies ------------------------------
     (
         "large-body scans never pause for the loop",
         "gateway/contract/scan.py",
@@ -1032,7 +1032,7 @@ MUTATIONS = [
         "_LONGEST_LAST_ELEMENT: Final = 8 + 10",
         ["tests/contract/test_skim_slices.py::test_long_slices_are_judged_as_whole_ones"],
     ),
-    # -- issue 21: who may do what in a cluster (membership, abort by rid, the fleet) --------
+    # -- who may do what in a cluster (membership, abort by rid, the fleet) --------
     (
         "membership refused from the engines' network",
         "gateway/edge/fleet_control.py",
@@ -1119,7 +1119,7 @@ MUTATIONS = [
         "    # Empty by default: only operators change the membership.\n    trusted_cidrs: list[str]",
         ["tests/edge/test_rights.py::test_a_bad_membership_network_is_a_clear_startup_error"],
     ),
-    # -- issue 21, items 6 and 8: fan-out, LoRA routing, prefill/decode workers ------------
+    # -- fan-out, LoRA routing, prefill/decode workers ------------
     (
         "a prefix abort goes to the owner of that rid alone",
         "gateway/edge/fleet_control.py",
@@ -1176,7 +1176,7 @@ MUTATIONS = [
         "if (disaggregated := None) is not None:",
         ["tests/edge/test_fanout.py::test_only_prefill_and_decode_workers_answer_503"],
     ),
-    # -- issue 21: the engines' own truth (weight versions, the fleet's loads) -------------
+    # -- the engines' own truth (weight versions, the fleet's loads) -------------
     (
         "weights read from an engine only when it joins",
         "gateway/fleet/engines.py",
@@ -1245,7 +1245,7 @@ MUTATIONS = [
             "tests/edge/test_fleet_truth.py::test_an_older_release_is_read_at_its_own_path_after_one_404"
         ],
     ),
-    # -- issue 21, item 7: SMG's surfaces (probes, engine metrics, worker changes) ----------
+    # -- SMG's surfaces (probes, engine metrics, worker changes) ----------
     (
         "readiness ready without a healthy worker",
         "gateway/edge/surfaces.py",
@@ -1368,7 +1368,7 @@ MUTATIONS = [
         "        if flag in ():",
         ["tests/test_launch_router.py::test_a_flag_it_cannot_honour_exits_2_listing_what_it_takes"],
     ),
-    # -- issue 21: pause holds and owner routing without a parse ------------------------------
+    # -- pause holds and owner routing without a parse ------------------------------
     (
         "a paused fleet's generations wait only queue_timeout_s",
         "gateway/edge/proxy.py",

@@ -9,9 +9,10 @@ and checks two things per body:
 2. Transparency: a body that SGLang would accept, and that the gateway has no documented
    reason to refuse (`refusal_reasons` below), arrives at the stub byte for byte.
 
-"No reason to refuse" is defined here from the body alone, from the rules README.md lists as
-deliberately stricter than SGLang, and nowhere else. A gateway refusal of an accepted body that
-none of these reasons covers fails the test, so over-blocking is caught as well as leaking.
+"No reason to refuse" is defined here from the body alone, from the rules
+docs/sglang-contract.md lists as deliberately stricter than SGLang, and nowhere else. A
+gateway refusal of an accepted body that none of these reasons covers fails the test, so
+over-blocking is caught as well as leaking.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Every reply the gateway makes itself names no internals (issue 5, item 4).
+"""Every reply the gateway makes itself names no internals (docs/hardening.md, section 5).
 
 No backend address, no stack trace, no Python exception text in any body the gateway writes;
 the detail goes to the log under the request id instead. Upstream failures (502/503/504) are

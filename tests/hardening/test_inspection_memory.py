@@ -7,7 +7,7 @@ gateway from 54 MiB to a 950 MiB peak and two passed 1 GiB, the sidecar manifest
 The formula (docs/hardening.md, "Memory per request"): about 2 x the body while it is read
 and forwarded, plus the parse of what is left after the skim, charged to the budget.
 
-Hardening III (issue 26): the loop's longest turn while two such bodies are inspected at
+Hardening III: the loop's longest turn while two such bodies are inspected at
 once, in CPU time of the loop's thread (tests/hardening/loop_probe.py), and the listener's
 reads of a fast upload, a MiB per turn.
 """
@@ -93,11 +93,11 @@ async def test_peak_memory_of_64_mib_token_bodies_with_the_shipped_limits(
 @pytest.mark.heavy
 async def test_two_64_mib_bodies_at_once_never_stall_the_loop_for_long() -> None:
     """The loop keeps turning while two large bodies are read, joined, skimmed, parsed and
-    forwarded at once (issue 26, finding 8: one turn took 240 ms of them).
+    forwarded at once (a Hardening III finding: one turn took 240 ms of them).
 
     Measured in CPU time of the loop's thread, in a gateway process of its own
     (tests/hardening/loop_probe.py): on a loaded machine the wall clock also counts the time
-    the thread waited for a core (issue 24: 860 ms against a 500 ms bound, with nothing
+    the thread waited for a core (a loaded run: 860 ms against a 500 ms bound, with nothing
     slower in the gateway)."""
     probe = await spawn("tests.hardening.loop_probe", stdout=asyncio.subprocess.PIPE)
     out, _ = await probe.communicate()

@@ -53,7 +53,7 @@ RELEASES = [
     ("0.5.23", 64, MaskProfile(MaskRule.CAPPED, 64)),
 ]
 
-# Refusals of bodies SGLang serves, each deliberate (docs/sglang-contract.md s.10, README),
+# Refusals of bodies SGLang serves, each deliberate (docs/sglang-contract.md: s.10, the rules),
 # with what must hold of the masks SGLang would have run for the refusal to be that one:
 FAIL_CLOSED: dict[str, Any] = {
     # top_k above 2**30 (2**31, 1e300, ...): SGLang 0.5.19 compares `== TOP_K_ALL` and runs

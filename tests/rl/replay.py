@@ -11,7 +11,7 @@ each comes from. Addresses play the cluster's hosts:
   workers that abort their own requests), in `control.membership.trusted_cidrs` only.
 
 A check that fails does not stop the replay: the later calls still run and the ledger
-says, per failed check, which must-have item of issue 21 it depends on. The test fails at
+says, per failed check, which gateway feature it depends on. The test fails at
 its end with the whole list, and prints the calls and their answers.
 """
 
@@ -39,7 +39,7 @@ PROBE_S = 0.25  # backends.health.interval_s
 QUEUE_S = 0.5  # backends.queue_timeout_s: a pause must outlast it to show a hold
 ROUTING_KEY = "X-SMG-Routing-Key"
 
-# Settings of issue 21 that the gateway may not know yet: each is tried on its own and
+# Settings that the gateway may not know yet: each is tried on its own and
 # left out when the config refuses it; the checks that need it then fail, naming the item.
 OPTIONAL_SETTINGS: dict[tuple[str, ...], tuple[Any, int]] = {
     ("control", "membership", "trusted_cidrs"): ([f"{CLUSTER}/32"], 1),
@@ -93,7 +93,7 @@ class Entry:
 
 @dataclass
 class Ledger:
-    """The calls made, in order, and the checks that failed (with their item of issue 21).
+    """The calls made, in order, and the checks that failed (with the feature each depends on).
     A check repeated in a loop (one per engine) is one line, with each failing detail."""
 
     name: str
