@@ -17,10 +17,11 @@ unbuffered). The prefill worker's is read to its end and dropped, except that it
 `meta_info.input_token_logprobs` go in front of the decode's for a /generate with
 `return_logprob`, as sglang-router merges them: in an answer sent whole, and in each event
 of a streamed one that carries its own (gateway/edge/pd_logprobs.py; the stream stays
-unbuffered, only those events are re-serialised) - the one case where a reply body is. Either side failing ends the pair: the other side's connection is
-closed (SGLang aborts a request whose connection closed), and the client gets the failing
-side's own error reply, or, once the decode's answer is under way, a connection that ends
-visibly broken. A client that leaves closes both.
+unbuffered, only those events are re-serialised) - the one case where a reply body is.
+Either side failing ends the pair: the other side's connection is closed (SGLang aborts a
+request whose connection closed), and the client gets the failing side's own error reply,
+or, once the decode's answer is under way, a connection that ends visibly broken. A client
+that leaves closes both.
 """
 
 from __future__ import annotations
