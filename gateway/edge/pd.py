@@ -15,11 +15,13 @@ replaces them.
 The decode worker's answer is relayed as the plain path relays any (streams too,
 unbuffered). The prefill worker's is read to its end and dropped, except that its
 `meta_info.input_token_logprobs` go in front of the decode's for a /generate with
-`return_logprob` answered whole, as sglang-router merges them (the one case where a reply
-body is re-serialised). Either side failing ends the pair: the other side's connection is
-closed (SGLang aborts a request whose connection closed), and the client gets the failing
-side's own error reply, or, once the decode's answer is under way, a connection that ends
-visibly broken. A client that leaves closes both.
+`return_logprob`, as sglang-router merges them: in an answer sent whole, and in each event
+of a streamed one that carries its own (gateway/edge/pd_logprobs.py; the stream stays
+unbuffered, only those events are re-serialised) - the one case where a reply body is.
+Either side failing ends the pair: the other side's connection is closed (SGLang aborts a
+request whose connection closed), and the client gets the failing side's own error reply,
+or, once the decode's answer is under way, a connection that ends visibly broken. A client
+that leaves closes both.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import asyncio
 import functools
 import os
 import random
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import urlsplit
@@ -40,8 +43,9 @@ from gateway.contract.prompt import prompt_start
 from gateway.contract.replies import Outcome
 from gateway.contract.routes import Kind
 from gateway.edge.failures import ConnectFailed, UpstreamFailure, UpstreamTimeout
-from gateway.edge.headers import WEIGHT_VERSION
-from gateway.edge.server import Reply
+from gateway.edge.headers import SERVER, WEIGHT_VERSION, ForwardedHeaders
+from gateway.edge.pd_logprobs import StreamMerge, prefill_logprobs
+from gateway.edge.server import Reply, Request
 from gateway.edge.upstream import UpstreamResponse
 from gateway.fleet.cache_aware import CacheAware
 from gateway.fleet.capability import Needs
@@ -412,6 +416,10 @@ async def _pair(
             return await _merged(
                 call, pd=pd, prefill=prefill, decode=decode, p_side=p_side, d_resp=d_resp
             )
+        if read.logprob and length is None:
+            return await _streamed(
+                call, pd=pd, prefill=prefill, decode=decode, p_side=p_side, d_resp=d_resp
+            )
         # A prefill that fails from here on leaves the decode engine waiting for a KV cache
         # that never comes: its connection is closed, which ends the relay visibly broken.
         p_side.add_done_callback(functools.partial(_end_decode_if_failed, d_resp))
@@ -534,6 +542,78 @@ async def _merged(
     if decode.weight_version is not None:
         reply.headers.append((WEIGHT_VERSION, decode.weight_version))
     return reply
+
+
+async def _streamed(
+    call: Call,
+    *,
+    pd: PdRouting,
+    prefill: Backend,
+    decode: Backend,
+    p_side: asyncio.Future[_Side],
+    d_resp: UpstreamResponse,
+) -> Reply | object | None:
+    """A streamed decode answer with the prefill's input logprobs merged into the events
+    that carry their own (gateway/edge/pd_logprobs.py). The prefill's answer is awaited
+    first, as sglang-router awaits it: SGLang's prefill ends before its decode partner's
+    first token, so this holds back nothing the client could have had."""
+    side = await p_side
+    if side.cause:
+        return _prefill_failed(call, pd, prefill, side)
+    found = prefill_logprobs(side.body) if side.body else {}
+    merge = StreamMerge(found)
+    request, exchange = call.request, call.exchange
+    call.proxy.pool.response(decode, d_resp.status)
+    d_resp.set_idle_timeout(call.settings.idle_s)
+    exchange.first_byte = time.perf_counter()
+    exchange.status = d_resp.status
+    exchange.streamed = True
+    headers = ForwardedHeaders.downstream(d_resp.headers, exchange.request_id, SERVER)
+    if decode.weight_version is not None:
+        headers.append((WEIGHT_VERSION, decode.weight_version))
+    sent, clean = 0, False
+    try:
+        request.start(d_resp.status, d_resp.reason, headers, sized=False)
+        request.flush_head()
+        while chunk := await d_resp.read():
+            out = merge.feed(chunk)
+            if out:
+                request.send([out], last=False)
+                sent += len(out)
+                if request.writing_paused:
+                    await _drained(request)
+        rest = merge.flush()
+        request.send([rest], last=True)
+        sent += len(rest)
+        clean = True
+    except UpstreamFailure as exc:
+        # Broken off mid-stream: the client's connection ends visibly broken, as a relay's.
+        pd.failed(DECODE_ROLE, _cause(exc), decode.url)
+        exchange.outcome = Outcome.UPSTREAM_BROKEN
+        exchange.detail = exc.cause
+        request.abort()
+    except ConnectionError:
+        exchange.outcome = Outcome.CLIENT_DISCONNECT
+    finally:
+        exchange.bytes_out = sent
+        if clean:
+            d_resp.release()
+        else:
+            d_resp.close()  # SGLang aborts a generation whose connection closed
+    return None
+
+
+async def _drained(request: Request) -> None:
+    """Wait until the client's socket buffer drained below its high-water mark."""
+    waiter = asyncio.get_running_loop().create_future()
+
+    def resumed() -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    request.on_resume(resumed)
+    if request.writing_paused:
+        await waiter
 
 
 def _cause(exc: UpstreamFailure) -> str:

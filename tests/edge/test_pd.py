@@ -388,3 +388,86 @@ async def test_a_paused_pd_fleet_holds_a_generation_then_pairs_it(
     assert (await _post(session, gw2, "/pause_generation", b"{}"))[0] == 200
     status, reply = await _post(session, gw2, "/generate", body)
     assert status == 503 and b"backends.pause_hold_s" in reply
+
+
+def sse_events(raw: bytes) -> list[Any]:
+    """The data of each SSE event but [DONE], parsed."""
+    out = []
+    for piece in raw.split(b"\n\n"):
+        event = piece.strip()
+        if event and event != b"data: [DONE]":
+            assert event.startswith(b"data: "), event
+            out.append(orjson.loads(event[len(b"data: ") :]))
+    return out
+
+
+async def _reference(session: aiohttp.ClientSession, body: dict[str, Any]) -> list[Any]:
+    """What a regular engine streams for the body: the input logprobs SGLang reports."""
+    stub = StubBackend()
+    await stub.start()
+    try:
+        async with session.post(stub.url + "/generate", json=body) as resp:
+            return sse_events(await resp.read())
+    finally:
+        await stub.stop()
+
+
+async def _through(gw: Any, session: aiohttp.ClientSession, body: dict[str, Any]) -> bytes:
+    async with session.post(gw_url(gw, "/generate"), json=body, headers=JSON) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        return await resp.read()
+
+
+async def test_a_streamed_answer_gets_the_prefills_input_logprobs_in_each_event(
+    pairs: Pairs, make_gateway: GatewayFactory, session: aiohttp.ClientSession
+) -> None:
+    gw = await make_gateway(**pairs.config())
+    body = {
+        "text": "a b c d e",
+        "stream": True,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "sampling_params": {"max_new_tokens": 3},
+    }
+    got = sse_events(await _through(gw, session, body))
+    want = await _reference(session, body)
+    assert len(got) == len(want) == 3
+    for event, ref in zip(got, want, strict=True):
+        lp = event["meta_info"]["input_token_logprobs"]
+        assert lp and lp == ref["meta_info"]["input_token_logprobs"]
+        # The rest of the event is the decode's own.
+        assert (
+            event["meta_info"]["output_token_logprobs"] == ref["meta_info"]["output_token_logprobs"]
+        )
+        assert event["text"] == ref["text"]
+
+
+async def test_a_streamed_batch_gets_each_items_input_logprobs_by_its_index(
+    pairs: Pairs, make_gateway: GatewayFactory, session: aiohttp.ClientSession
+) -> None:
+    gw = await make_gateway(**pairs.config())
+    body = {
+        "text": ["one two three", "four five six seven eight"],
+        "stream": True,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "sampling_params": {"max_new_tokens": 2},
+    }
+    got = sse_events(await _through(gw, session, body))
+    want = {
+        e["index"]: e["meta_info"]["input_token_logprobs"] for e in await _reference(session, body)
+    }
+    assert len(got) == 4 and want[0] != want[1]
+    for event in got:
+        lp = event["meta_info"]["input_token_logprobs"]
+        assert lp and lp == want[event["index"]]
+
+
+async def test_a_stream_without_return_logprob_is_relayed_as_the_decode_sent_it(
+    pairs: Pairs, make_gateway: GatewayFactory, session: aiohttp.ClientSession
+) -> None:
+    gw = await make_gateway(**pairs.config())
+    body = {"text": "x y", "stream": True, "sampling_params": {"max_new_tokens": 2}}
+    got = sse_events(await _through(gw, session, body))
+    assert len(got) == 2 and all("input_token_logprobs" not in e["meta_info"] for e in got)

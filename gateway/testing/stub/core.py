@@ -419,6 +419,8 @@ class StubCore:
                 for out in await self._aborted_out(request, ctx):
                     await resp.write(_sse(out))
                 break
+            if self.pd is not None:
+                self.pd.event(event)
             await resp.write(_sse(event))
         if ctx.drop == "mid-body":
             self._abort(request, ctx)

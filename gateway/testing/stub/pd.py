@@ -17,8 +17,8 @@ KV cache. Here:
 A request without the keys is refused (400), as SGLang's engines assert on it: nothing
 can be sent to one side alone unnoticed. `rooms` lists every room a stub took part in, in
 order, so a test can check each room met both sides exactly once. A decode stub reports
-`input_token_logprobs` empty (the prefill engine computed the prompt), so a router's merge
-of the two shows.
+`input_token_logprobs` empty (the prefill engine computed the prompt), in a whole answer
+and in each streamed event, so a router's merge of the two shows.
 """
 
 from __future__ import annotations
@@ -241,6 +241,12 @@ class PdStub:
         self.failed += len(results) - sum(results)
         if not all(results):
             raise Reject("KV transfer failed: the prefill side did not hand the cache over", 500)
+
+    def event(self, event: object) -> None:
+        """A decode engine's streamed events report no input logprobs of its own either."""
+        meta = event.get("meta_info") if self.role == DECODE and isinstance(event, dict) else None
+        if isinstance(meta, dict) and "input_token_logprobs" in meta:
+            meta["input_token_logprobs"] = []
 
     def finish(self, response: web.StreamResponse) -> None:
         """A decode engine's whole answer reports no input logprobs of its own: the prefill
