@@ -62,6 +62,28 @@ REQUESTS: list[tuple[str, str, dict[str, Any]]] = [
         },
     ),
     (
+        "generate logprob stream",
+        "/generate",
+        {
+            "text": "a b c d",
+            "stream": True,
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 2},
+        },
+    ),
+    (
+        "generate logprob stream, batch of 2",
+        "/generate",
+        {
+            "text": ["a b c d", "e f"],
+            "stream": True,
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 2},
+        },
+    ),
+    (
         "chat",
         "/v1/chat/completions",
         {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
@@ -93,10 +115,20 @@ def shape(raw: bytes, streamed: bool) -> dict[str, Any]:
     """What an answer is, router aside: its items, events, and input logprobs."""
     if streamed:
         events = [line for line in raw.split(b"\n") if line.startswith(b"data: ")]
-        return {
+        out = {
             "events": len([e for e in events if e != b"data: [DONE]"]),
             "done": bool(events) and events[-1] == b"data: [DONE]",
         }
+        # Per event that reports them: how many input logprobs it carries (the decode
+        # engine's own are none; a merge puts the prefill's in front).
+        counts = []
+        for e in events:
+            if b"input_token_logprobs" in e:
+                meta = json.loads(e[len(b"data: ") :]).get("meta_info", {})
+                counts.append(len(meta.get("input_token_logprobs") or []))
+        if counts:
+            out["input_logprobs"] = counts
+        return out
     try:
         obj = json.loads(raw)
     except ValueError:

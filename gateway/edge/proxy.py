@@ -61,7 +61,8 @@ from gateway.edge.upstream import (
 )
 from gateway.fleet.capability import MaskVerdicts, Needs, only_disaggregated
 from gateway.fleet.membership import Fleet
-from gateway.fleet.pool import HOLD_EXPIRED, HOLD_MEMORY, HOLDS_FULL, Backend, HoldRefused, Prompt
+from gateway.fleet.pool import HOLD_EXPIRED, HOLD_MEMORY, HOLDS_FULL, Backend, HoldRefused
+from gateway.fleet.prefix_index import Prompt
 from gateway.ops.observe import USER_AGENT_MAX, Exchange, Observer
 from gateway.ops.redact import describe
 
@@ -533,7 +534,7 @@ class Call:
         if route is None or not body:
             return None
         start = prompt_start(route.kind, body)
-        return None if start is None else (body, start)
+        return None if start is None else Prompt(body, start)
 
     def _failed(self, backend: Backend, exc: UpstreamFailure) -> Reply | None:
         """The reply to an attempt that failed; None when nothing reached the backend, so

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from gateway.fleet.balancers import BalanceRule, C, least_loaded
-from gateway.fleet.prefix_index import PrefixIndex, block_names
+from gateway.fleet.prefix_index import PrefixIndex, Prompt
 
 MATCHED: Final = "matched"  # the longest match won
 BALANCED: Final = "balanced"  # it had a match, but its load was over the balance rule
@@ -108,8 +108,14 @@ class CacheAware:
     def choose_prompt(self, candidates: Sequence[C], body: bytes, start: int) -> C:
         """The backend for a request whose prompt is `body[start:]` (its tail past the
         prompt only costs a block or two of match)."""
+        return self.choose_for(candidates, Prompt(body, start))
+
+    def choose_for(self, candidates: Sequence[C], prompt: Prompt) -> C:
+        """choose_prompt for a request's Prompt, whose block names are cut once for all
+        of its picks."""
         rules = self.rules
-        names, ends = block_names(body, start, rules.max_prompt_bytes)
+        body, start = prompt.body, prompt.start
+        names, ends = prompt.blocks(rules.max_prompt_bytes)
         least = self._least_loaded(candidates)
         if not names:
             self._count(least.url, NO_PROMPT, 0, 0)

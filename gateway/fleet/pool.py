@@ -27,6 +27,7 @@ from gateway.contract.profiles import DEFAULT_CAP, MaskProfile, MaskRule, Server
 from gateway.fleet.balancers import Balancer
 from gateway.fleet.cache_aware import CacheAware
 from gateway.fleet.pd import ROLES, PdRouting
+from gateway.fleet.prefix_index import Prompt
 
 log = logging.getLogger("gateway.fleet.pool")
 
@@ -135,8 +136,6 @@ class Backend:
 
 # What a request needs of a backend beyond being routable (proxy: weights, mask admission).
 Fit = Callable[["Backend"], bool]
-# A request body and the offset its prompt starts at (gateway/contract/prompt.py).
-Prompt = tuple[bytes, int]
 
 # Why a request that only paused or asleep engines could serve was not served: its hold ran
 # out, holding is off (a hold of 0 s), every slot those engines will have is promised to a
@@ -403,7 +402,7 @@ class BackendPool:
             balancer = self.pd.balancer(role)
             prefix = balancer if isinstance(balancer, CacheAware) else None
         if prompt is not None and prefix is not None:
-            return prefix.choose_prompt(candidates, *prompt)
+            return prefix.choose_for(candidates, prompt)
         return balancer.choose(candidates, key)
 
     def saturated(self, exclude: Sequence[Backend] = (), role: str | None = None) -> bool:

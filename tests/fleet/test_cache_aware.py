@@ -22,7 +22,7 @@ from gateway.fleet.cache_aware import (
 )
 from gateway.fleet.membership import make_balancer
 from gateway.fleet.pool import Backend, BackendPool, Health
-from gateway.fleet.prefix_index import FIRST_BLOCK, PrefixIndex, block_names
+from gateway.fleet.prefix_index import FIRST_BLOCK, PrefixIndex, Prompt, block_names
 
 URLS = [f"http://10.0.0.{i}:30000" for i in range(1, 5)]
 
@@ -230,14 +230,34 @@ def test_the_pool_routes_by_prompt_and_forgets_a_restarted_backend() -> None:
     pool = BackendPool(URLS, make_balancer(cfg))
     assert pool.prefix is not None
     body = b'{"text": "' + words(500, 22) + b'"}'
-    owner = pool.pick(prompt=(body, 9))
+    owner = pool.pick(prompt=Prompt(body, 9))
     assert owner is not None
-    assert pool.pick(prompt=(body, 9)) is owner
+    assert pool.pick(prompt=Prompt(body, 9)) is owner
     owner.health = Health.UNHEALTHY
     pool.forget(owner)  # what the prober does when it comes back
     assert pool.prefix.held_blocks(owner.url) == 0
     # A mask request that only another backend admits goes there, prompt or not.
-    assert pool.pick(prompt=(body, 9), fits=lambda b: b is not owner) is not owner
+    assert pool.pick(prompt=Prompt(body, 9), fits=lambda b: b is not owner) is not owner
+
+
+def test_a_requests_prompt_is_cut_into_blocks_once_for_all_its_picks() -> None:
+    # A retry's pick, a queued request's look at a freed slot, a pair's prefill pick: each
+    # matched the same prompt again, and cutting a 160 KB one is the pick's main cost.
+    cfg = BackendsConfig(static=URLS, balancer="cache_aware")
+    pool = BackendPool(URLS, make_balancer(cfg))
+    body = b'{"text": "' + words(20_000, 23) + b'"}'
+    assert len(body) > 100_000
+    prompt = Prompt(body, 9)
+    tried: list[Backend] = []
+    for _ in range(5):
+        chosen = pool.pick(tried, prompt=prompt)
+        assert chosen is not None
+        tried = [chosen] if len(tried) >= len(URLS) - 1 else [*tried, chosen]
+    assert prompt.cuts == 1
+    # The names it kept are the ones a fresh cut gives.
+    assert prompt.blocks(CacheAwareRules().max_prompt_bytes) == block_names(
+        body, 9, CacheAwareRules().max_prompt_bytes
+    )
 
 
 def test_the_config_builds_the_balancers_with_the_balance_rule() -> None:

@@ -139,6 +139,8 @@ async def test_an_overloaded_owner_is_balanced_away(
         for i in range(3)
     ]
     await wait_for(lambda: gw.pool.backends[owner].inflight == 3)
+    # Counted in flight before sent: the engine's own count shows they arrived.
+    await wait_for(lambda: served(engines)[owner] == 4)
     # ...then the owner is 3 over the idle ones: the next turn goes elsewhere.
     before = served(engines)
     await generate(session, gw, convo + " next")
