@@ -176,6 +176,9 @@ async def test_session_affinity_spills_when_its_worker_is_overloaded(
         for _ in range(3)
     ]
     await wait_for(lambda: gw.pool.backends[owner].inflight == 3)
+    # Counted in flight before sent: the engine's own count shows they arrived, so only
+    # "turn two" can move a count below.
+    await wait_for(lambda: served(engines)[owner] == 4)
     before = served(engines)
     await generate(session, gw, "turn two", **key)
     assert which(before, served(engines)) != owner
