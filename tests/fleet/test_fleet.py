@@ -60,15 +60,23 @@ async def test_least_inflight_avoids_a_busy_backend(
     stubs: list[StubBackend], make_gateway: GatewayFactory, session: aiohttp.ClientSession
 ) -> None:
     gw = await make_gateway(stubs[0].url, stubs[1].url)
-    slow = asyncio.ensure_future(send(session, gw, **{"X-Stub-Delay-Ms": "800"}))
+    slow = asyncio.ensure_future(send(session, gw, **{"X-Stub-Delay-Ms": "200"}))
     await wait_for(lambda: sum(b.inflight for b in gw.pool.backends) == 1)
     busy = next(i for i, b in enumerate(gw.pool.backends) if b.inflight)
+    # Paused in place, the busy engine keeps the slow request until it continues, however
+    # long the quick ones take on a loaded machine.
+    pause = {"mode": "in_place"}
+    async with session.post(stubs[busy].url + "/pause_generation", json=pause) as r:
+        assert r.status == 200
     before = served(stubs)
     statuses = [await send(session, gw) for _ in range(10)]
     assert statuses == [200] * 10
     after = served(stubs)
     assert after[1 - busy] - before[1 - busy] == 10  # every quick one went to the idle one
     assert after[busy] == before[busy]
+    assert not slow.done()
+    async with session.post(stubs[busy].url + "/continue_generation", json={}) as r:
+        assert r.status == 200
     assert await slow == 200
 
 

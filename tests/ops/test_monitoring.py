@@ -68,7 +68,7 @@ def tool(name: str) -> str:
 
 def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        args, input=stdin, capture_output=True, text=True, timeout=60, check=False, cwd=ROOT
+        args, input=stdin, capture_output=True, text=True, timeout=240, check=False, cwd=ROOT
     )
 
 
@@ -403,6 +403,7 @@ def values_of(results: Results, title: str, **labels: str) -> list[float]:
     return found
 
 
+@pytest.mark.heavy
 async def test_every_panel_has_data_from_a_live_gateway(tmp_path: Path) -> None:
     promtool = tool("promtool")
     tool("prometheus")
