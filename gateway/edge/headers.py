@@ -40,6 +40,12 @@ _REQUEST_DROP: Final = HOP_BY_HOP | {
     "x-request-id",
 }
 _RESPONSE_DROP: Final = HOP_BY_HOP | {"x-request-id"}
+# Other spellings of "the client's address" that load balancers and CDNs set and backends
+# or their logs may believe: kept only from a trusted proxy, which set them itself; from
+# anyone else they are a client's claim, and dropped (the gateway adds none).
+_CLIENT_ADDRESS: Final = frozenset(
+    {"x-real-ip", "x-client-ip", "true-client-ip", "cf-connecting-ip", "x-cluster-client-ip"}
+)
 
 REQUEST_ID: Final = "X-Request-Id"
 WEIGHT_VERSION: Final = "X-Weight-Version"  # the serving backend's weights, on replies
@@ -78,7 +84,7 @@ def valid_request_id(value: str | None) -> bool:
 class ForwardedHeaders:
     """Builds upstream request headers and downstream response headers."""
 
-    __slots__ = ("_authorization", "_drop", "_trusted")
+    __slots__ = ("_authorization", "_drop", "_drop_untrusted", "_trusted")
 
     def __init__(
         self,
@@ -94,6 +100,7 @@ class ForwardedHeaders:
         replace = upstream_authorization is not None or strip_client_authorization
         # The client's key for the gateway is not a credential for the backend.
         self._drop = _REQUEST_DROP | {"authorization"} if replace else _REQUEST_DROP
+        self._drop_untrusted = self._drop | _CLIENT_ADDRESS
 
     @property
     def authorization(self) -> str | None:
@@ -111,7 +118,8 @@ class ForwardedHeaders:
         """Request headers to send upstream: end-to-end ones kept in order, ours added."""
         items = list(headers.items()) if isinstance(headers, Mapping) else list(headers)
         names = [name.lower() for name, _ in items]  # once: this runs for every request
-        drop = self._drop
+        trusted = peer_in(peer, self._trusted)
+        drop = self._drop if trusted else self._drop_untrusted
         if "connection" in names:
             drop = drop | _connection_tokens(items)
         out = [item for item, name in zip(items, names, strict=True) if name not in drop]
@@ -119,7 +127,7 @@ class ForwardedHeaders:
             out.append(("Authorization", self._authorization))
         forwarded_for = peer or ""
         forwarded_proto = scheme
-        if peer_in(peer, self._trusted):
+        if trusted:
             # A trusted load balancer in front: extend its chain instead of replacing it.
             prior = [v for k, v in items if k.lower() == "x-forwarded-for"]
             if prior:

@@ -272,6 +272,37 @@ async def test_trusted_proxy_chain_is_extended(
     assert got["X-Forwarded-Proto"] == "https"
 
 
+CLIENT_ADDRESS_HEADERS = {
+    "X-Real-IP": "203.0.113.7",
+    "x-client-ip": "203.0.113.8",
+    "True-Client-IP": "203.0.113.9",
+    "CF-Connecting-IP": "203.0.113.10",
+    "X-CLUSTER-CLIENT-IP": "203.0.113.11",
+}
+
+
+@pytest.mark.parametrize("trusted", [None, ["10.0.0.0/8"], ["127.0.0.0/8"]])
+async def test_client_address_headers_only_from_a_trusted_proxy(
+    stub: StubBackend,
+    make_gateway: GatewayFactory,
+    session: aiohttp.ClientSession,
+    trusted: list[str] | None,
+) -> None:
+    """A client that is no trusted proxy cannot name its own address to the backend in any
+    of the spellings load balancers use; a trusted proxy's are passed on as it set them."""
+    forwarding = {} if trusted is None else {"forwarding": {"trusted_proxies": trusted}}
+    gw = await make_gateway(stub.url, **forwarding)
+    hdrs = {**CLIENT_ADDRESS_HEADERS, "X-Custom": "kept"}
+    async with session.get(gw_url(gw, "/v1/models"), headers=hdrs) as r:
+        assert r.status == 200
+    got = last_proxied(stub).headers
+    assert got["X-Custom"] == "kept"
+    assert got["X-Forwarded-For"] == "127.0.0.1"
+    kept = trusted == ["127.0.0.0/8"]
+    for name, value in CLIENT_ADDRESS_HEADERS.items():
+        assert got.getall(name, []) == ([value] if kept else []), name
+
+
 @pytest.mark.parametrize(
     "path",
     [
