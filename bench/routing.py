@@ -1,5 +1,5 @@
 """Routing benchmark: the same trace through the gateway and sglang-router, in front of the
-same 4 stub engines with a prefix cache (issue 22).
+same 4 stub engines with a prefix cache.
 
     python bench/routing.py                 # the full run: 4 seeds x 2 (~2-3 min on 2 cores)
     python bench/routing.py --smoke         # a short one (tests/test_routing_bench.py)
@@ -450,7 +450,7 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def checks(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Issue 22's bar, asked of every run (seed and repeat; not of the means): how many pass."""
+    """The routing bar, asked of every run (seed and repeat; not of the means): how many pass."""
 
     def by(run: tuple[int, int], workload: str, router: str, policy: str) -> dict[str, Any] | None:
         for r in runs:
@@ -564,7 +564,7 @@ def table(result: dict[str, Any]) -> str:
     if result["checks"]:
         lines += [
             "",
-            "Issue 22's bar, per run (seed and repeat; gateway cache_aware, same run):",
+            "The routing bar, per run (seed and repeat; gateway cache_aware, same run):",
             "",
         ]
         lines += [f"- {k}: {v['passed']} of {v['of']}" for k, v in result["checks"].items()]
