@@ -4,7 +4,7 @@ A trace is a list of jobs; a job is a list of steps, each step the prompts sent 
 (a GRPO group's n samples), the next step sent when all of them are answered (an agent's
 next turn). No routing keys: the router has only the prompts to go by.
 
-Workloads (the shapes the routing bar is asked of):
+Workloads (the shapes the routing bar names):
 - agents: multi-turn sessions, each turn resending the whole conversation so far
   (system prompt, earlier turns and answers) plus a new user message;
 - grpo: groups of n samples of one prompt, sent together;

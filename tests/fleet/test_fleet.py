@@ -63,6 +63,8 @@ async def test_least_inflight_avoids_a_busy_backend(
     slow = asyncio.ensure_future(send(session, gw, **{"X-Stub-Delay-Ms": "200"}))
     await wait_for(lambda: sum(b.inflight for b in gw.pool.backends) == 1)
     busy = next(i for i, b in enumerate(gw.pool.backends) if b.inflight)
+    # Counted in flight before it is sent: the engine's own count shows it arrived.
+    await wait_for(lambda: sum(served(stubs)) == 1)
     # Paused in place, the busy engine keeps the slow request until it continues, however
     # long the quick ones take on a loaded machine.
     pause = {"mode": "in_place"}
