@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.contract.inspection import inspect_body, may_hold_mask_key
+from gateway.contract import inspection
+from gateway.contract.inspection import inspect_body, may_hold_mask_key, may_hold_mask_key_sliced
 from gateway.contract.policy import MASK_MESSAGE, BodyRules, resolve
 from gateway.contract.routes import Kind
 from gateway.testing.stub import StubBackend
@@ -133,3 +136,68 @@ async def test_large_token_bodies_through_the_gateway(
 )
 def test_mask_key_scan(body: bytes, may_hold: bool) -> None:
     assert may_hold_mask_key(body) is may_hold
+
+
+# -- bodies large enough for the quote walk ------------------------------------------------
+
+IDS = b"[" + b",".join(str(100 + i).encode() for i in range(2000)) + b"]"
+assert len(IDS) > inspection._QUOTE_WALK_FROM
+
+
+def both_scans(body: bytes) -> bool:
+    """may_hold_mask_key, checked to be the sliced scan's answer too."""
+    found = may_hold_mask_key(body)
+    assert asyncio.run(may_hold_mask_key_sliced(body)) is found
+    return found
+
+
+MANY = b", ".join([b'"t"'] * 40)  # more quotes than the walk takes before the key search
+
+
+@pytest.mark.parametrize(
+    ("body", "may_hold"),
+    [
+        (b'{"input_ids": ' + IDS + b', "sampling_params": {"top_k": 2}}', False),
+        (b'{"input_ids": ' + IDS + b', "return_sampling_mask": true}', True),
+        (b'{"return_sampling_mask": true, "input_ids": ' + IDS + b"}", True),
+        (b'{"input_ids": ' + IDS + b', "sampling_params": {"return_sampling_mask": 1}}', True),
+        (b'{"x": [{"return_sampling_mask": 1}], "input_ids": ' + IDS + b"}", True),
+        (b'{"input_ids": ' + IDS + b', "return_sampling_mask" \n\t: true}', True),
+        (b'{"input_ids": ' + IDS + b', "return_sampling_mask"' + b" " * 80 + b": 1}", True),
+        # The name as a value, or inside a value, is no key.
+        (b'{"text": "return_sampling_mask", "input_ids": ' + IDS + b"}", False),
+        (b'{"texts": ["return_sampling_mask"], "input_ids": ' + IDS + b"}", False),
+        (b'{"text": "say \\"return_sampling_mask\\": true", "input_ids": ' + IDS + b"}", False),
+        (b'{"text": "xreturn_sampling_mask", "input_ids": ' + IDS + b"}", False),
+        (b'{"input_ids": ' + IDS + b', "return_sampling_masks": true}', False),
+        # A key that ends with the name (after an escaped quote) is read rather than judged.
+        (b'{"input_ids": ' + IDS + b', "a\\"return_sampling_mask": true}', True),
+        # Past the walk's quotes: the rest is searched for the quoted name.
+        (b'{"texts": [' + MANY + b'], "input_ids": ' + IDS + b"}", False),
+        (b'{"texts": [' + MANY + b'], "return_sampling_mask": 1, "x": ' + IDS + b"}", True),
+        (b'{"texts": [' + MANY + b'], "x": ' + IDS + b', "return_sampling_mask": 1}', True),
+        (b'{"texts": [' + MANY + b'], "x": "return_sampling_mask", "y": ' + IDS + b"}", True),
+        (b'{"input_ids": ' + IDS + b', "return_sampling_mask"', False),  # no colon: not JSON
+    ],
+)
+def test_mask_key_scan_of_a_large_body(body: bytes, may_hold: bool) -> None:
+    assert len(body) >= inspection._QUOTE_WALK_FROM
+    assert both_scans(body) is may_hold
+    if may_hold is False and body.endswith(b"}"):
+        assert not has_key(orjson.loads(body))
+
+
+@settings(max_examples=300, deadline=None)
+@given(json_values, st.integers(0, 3), st.sampled_from([b"", b" ", b"\n  ", b"\t"]))
+def test_the_quote_walk_never_misses_a_key_orjson_would_see(
+    value: object, where: int, blank: bytes
+) -> None:
+    items: list[tuple[str, object]] = [("v", value), ("text", KEY), ("w", [KEY])]
+    items.insert(min(where, len(items)), ("input_ids", "IDS"))
+    body = orjson.dumps(dict(items)).replace(b'"IDS"', IDS, 1).replace(b'":', b'"' + blank + b":")
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:  # the blank went inside a string that held `":`
+        parsed = orjson.loads(body := body.replace(b'"' + blank + b":", b'":'))
+    if has_key(parsed):
+        assert both_scans(body)
