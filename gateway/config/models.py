@@ -307,10 +307,12 @@ class BackendsConfig(_Model):
     # The factor of that test; both must be exceeded (see balance_abs_threshold).
     balance_rel_threshold: Annotated[float, Field(ge=1, le=1000)] = 1.5
     cache_aware: CacheAwareConfig = CacheAwareConfig()  # the cache_aware balancer's tuning
-    # consistent_hash: the request header whose value picks the worker (RL session id).
+    # consistent_hash: the request header whose value picks the worker (RL session id);
+    # a request without it falls back to least_inflight.
     hash_header: Annotated[str, Field(min_length=1)] = "X-Session-Id"
     seed: int | None = None  # for reproducible power_of_two choices
-    # Attempts per request when a connection cannot be opened (nothing was sent yet).
+    # Attempts per request when a connection cannot be opened (nothing was sent yet); a sent
+    # request is never re-sent.
     connect_attempts: Annotated[int, Field(ge=1, le=10)] = 3
     # Requests in flight per backend; more wait up to queue_timeout_s for a slot, then 503.
     max_inflight_per_backend: Annotated[int, Field(ge=1, le=1_000_000)] = 1024
@@ -318,7 +320,8 @@ class BackendsConfig(_Model):
     # (and an inspection for limits.max_inspecting_bytes), then 503.
     queue_timeout_s: Annotated[float, Field(ge=0, le=3600)] = 5.0
     # A generation that only paused or asleep engines could serve waits this long for a
-    # continue or resume, as a paused SGLang engine queues it (then 503); 0: never held.
+    # continue or resume, as a paused SGLang engine queues it (then 503 naming this key);
+    # 0: never held.
     # None: control.timeout_s, the time one weight update through the gateway may take.
     pause_hold_s: Annotated[float, Field(ge=0, le=86400)] | None = None
     health: HealthConfig = HealthConfig()  # active probes
@@ -414,7 +417,7 @@ class TimeoutsConfig(_Model):
     idle_s: Seconds = 300.0
     # A deadline for the whole exchange; off by default (generations run for minutes).
     total_s: Seconds | None = None
-    # Deadline for the client to deliver a whole request body (slow-body defence).
+    # Deadline for the client to deliver a whole request body (slow-body defence; 408).
     body_read_s: Seconds = 60.0
     # Idle keep-alive toward clients; also the only bound on slow request headers.
     client_keepalive_s: Seconds = 75.0
@@ -429,7 +432,8 @@ class TimeoutsConfig(_Model):
 
 
 class LimitsConfig(_Model):
-    # 100k-token input_ids lists are ~0.6 MB; multimodal payloads are larger.
+    # The request body cap (413 beyond): 100k-token input_ids lists are ~0.6 MB; multimodal
+    # payloads are larger.
     max_body_bytes: Annotated[int, Field(ge=1024, le=1 << 34)] = 64 << 20
     # The request line and each header field at most (431 beyond), so a client cannot make
     # the parser hold an unbounded head.
@@ -455,7 +459,7 @@ class RoutingConfig(_Model):
 class EngineMetricsConfig(_Model):
     """GET /engine_metrics and /metrics on the main port: every engine's /metrics, merged."""
 
-    # Each engine's whole answer is due within this (SMG waits 5 s).
+    # Each engine's whole answer is due within this, else it is left out (SMG waits 5 s).
     timeout_s: Annotated[float, Field(gt=0, le=300)] = 5.0
     # An engine that sends more is left out of the answer (a comment says so). SGLang's
     # text is tens of KB, a few MB with many LoRA adapters or histogram labels.
