@@ -79,6 +79,8 @@ Port = Annotated[int, Field(ge=0, le=65535)]
 
 class ListenConfig(_Model):
     host: str = "0.0.0.0"  # a proxy listens for other hosts by design
+    # Where clients connect (--port); a fixed number with --workers, since 0 would give each
+    # worker its own port.
     port: Port = 8080
     # Processes sharing the port (SO_REUSEPORT), each with its own event loop.
     workers: Annotated[int, Field(ge=1, le=256)] = 1
@@ -87,54 +89,73 @@ class ListenConfig(_Model):
 class AdminConfig(_Model):
     # Probes and metrics: loopback by default so they are not exposed by accident.
     host: str = "127.0.0.1"
-    port: Port = 8081
+    port: Port = 8081  # /livez, /readyz and /metrics
 
 
 class HealthConfig(_Model):
+    # Active probes of every backend, at most one in flight per backend.
     enabled: bool = True
     # SGLang's /health runs a one-token generation: slow under load, so probe gently.
     path: RoutePath = "/health"
+    # Time between one backend's probes; a slow probe delays the next, never overlaps it.
     interval_s: Seconds = 5.0
+    # A probe not answered within this has failed.
     timeout_s: Seconds = 10.0
+    # Consecutive passing probes that (re)admit a backend.
     healthy_threshold: Annotated[int, Field(ge=1, le=100)] = 1
+    # Consecutive failed probes that take it out.
     unhealthy_threshold: Annotated[int, Field(ge=1, le=100)] = 3
 
 
 class PassiveConfig(_Model):
     """Ejection by live traffic, with exponential back-off between ejections."""
 
+    # Failed connects in a row that eject a backend (the request moves on: nothing was sent).
     consecutive_connect_failures: Annotated[int, Field(ge=1, le=1000)] = 1
+    # 5xx answers in a row that eject it; a 4xx never counts: it is a verdict on the request.
     consecutive_5xx: Annotated[int, Field(ge=1, le=1000)] = 5
+    # The first ejection's length, doubling with each consecutive ejection; a passing probe
+    # ends one early.
     base_eject_s: Seconds = 2.0
+    # The longest one ejection lasts, however many came in a row.
     max_eject_s: Seconds = 60.0
 
 
 class DnsConfig(_Model):
-    # e.g. a Kubernetes headless Service: sglang.llm.svc.cluster.local
+    # Every A/AAAA record of this name is a backend: e.g. a Kubernetes headless Service,
+    # sglang.llm.svc.cluster.local.
     name: Annotated[str, Field(min_length=1, max_length=253)]
-    port: Annotated[int, Field(ge=1, le=65535)]
-    scheme: Literal["http", "https"] = "http"
+    port: Annotated[int, Field(ge=1, le=65535)]  # the backends' port: records carry none
+    scheme: Literal["http", "https"] = "http"  # how the gateway talks to the backends
+    # Re-resolved this often; a failed or empty answer keeps the last good set, so a DNS
+    # outage does not empty the fleet.
     interval_s: Seconds = 5.0
 
 
 class KubernetesConfig(_Model):
-    namespace: Annotated[str, Field(min_length=1)] = "default"
-    # Exactly one: a Service name (its EndpointSlices) or a label selector on the slices.
+    namespace: Annotated[str, Field(min_length=1)] = "default"  # of the EndpointSlices
+    # Exactly one: a Service name (its EndpointSlices: kubernetes.io/service-name=) or a
+    # label selector on the slices.
     service: str | None = None
-    label_selector: str | None = None
+    label_selector: str | None = None  # any selector on the slices, instead of service
     # Exactly one: the port number, or the name of the slice's port.
     port: Annotated[int, Field(ge=1, le=65535)] | None = None
-    port_name: str | None = None
-    scheme: Literal["http", "https"] = "http"
+    port_name: str | None = None  # the slice port's name, instead of port
+    scheme: Literal["http", "https"] = "http"  # how the gateway talks to the backends
     # A full relist this often, besides the watch, so a missed event cannot linger.
     resync_s: Seconds = 60.0
     # After a failed API call the next waits retry_base_s, doubling with each failure in a
     # row up to retry_max_s; each wait is between half and all of its step, at random, so
     # gateway replicas that failed together (an API-server restart) do not retry in step.
     retry_base_s: Seconds = 1.0
+    # The cap of that doubling; at least retry_base_s. An expired watch (410) is no failure:
+    # it is relisted at once.
     retry_max_s: Seconds = 30.0
+    # The API server; the in-cluster address by default.
     api_server: str = "https://kubernetes.default.svc"
+    # The service account's token, re-read on every call, since a projected token rotates.
     token_file: str | None = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    # The CA of the API server's certificate (the service account's by default).
     ca_file: str | None = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
 
     @model_validator(mode="after")
@@ -229,7 +250,7 @@ def _smg_balancer(field: str, name: object) -> object:
 class PrefillWorker(_Model):
     """A prefill engine of backends.prefill: sglang-router's `--prefill URL [PORT]`."""
 
-    url: BackendUrl
+    url: BackendUrl  # the prefill engine, scheme://host:port
     # The engine's --disaggregation-bootstrap-port, which its decode partner connects to;
     # null: the engine's default (sglang-router sends null too).
     bootstrap_port: Annotated[int, Field(ge=1, le=65535)] | None = None
@@ -246,7 +267,8 @@ class CacheAwareConfig(_Model):
     # A match shorter than this share of the prompt goes to the least loaded backend
     # (sglang-router's default is 0.3; why half: gateway/fleet/cache_aware.py).
     cache_threshold: Annotated[float, Field(ge=0, le=1)] = 0.5
-    # Prompt-prefix blocks remembered per backend (~100 bytes each), oldest evicted first.
+    # Prompt-prefix blocks remembered per backend (~100 bytes each), least recently used
+    # evicted first.
     max_blocks_per_backend: Annotated[int, Field(ge=16, le=1 << 24)] = 32768
     # Bytes of each prompt matched: bounds the per-request cost (~1 us per KB).
     max_prompt_bytes: Annotated[int, Field(ge=1024, le=16 << 20)] = 256 << 10
@@ -256,8 +278,10 @@ class BackendsConfig(_Model):
     # registry: membership changed over HTTP (POST /workers, as sglang-router and SMG take
     # it), seeded with backends.static.
     discovery: Literal["static", "dns", "kubernetes", "registry"] = "static"
+    # Regular workers, http(s)://host:port (what --backend sets).
     static: list[BackendUrl] = Field(default_factory=list)
-    dns: DnsConfig | None = None
+    dns: DnsConfig | None = None  # discovery: dns, the name whose records are the backends
+    # discovery: kubernetes, the EndpointSlices that list the backends.
     kubernetes: KubernetesConfig | None = None
     # sglang-router's --policy names are taken too (SMG_POLICIES): see _smg_policy.
     balancer: BalancerName = "least_inflight"
@@ -267,33 +291,41 @@ class BackendsConfig(_Model):
     mode: Literal["regular", "pd"] = "regular"
     # Workers by role, besides backends.static (regular ones): sglang-router's --prefill
     # URL [BOOTSTRAP_PORT] and --decode URL. A registered worker says its own worker_type.
+    # Only with mode: pd and static or registry discovery. A prefill worker is a URL or
+    # {url, bootstrap_port}.
     prefill: list[PrefillWorker] = Field(default_factory=list)
-    decode: list[BackendUrl] = Field(default_factory=list)
+    decode: list[BackendUrl] = Field(default_factory=list)  # decode workers' URLs, as prefill
     # Each role's balancer (sglang-router's --prefill-policy, --decode-policy); null:
     # backends.balancer. cache_aware suits prefill: the prompt's cache lives there.
     prefill_balancer: BalancerName | None = None
-    decode_balancer: BalancerName | None = None
+    decode_balancer: BalancerName | None = None  # as prefill_balancer, for decode workers
     # When a request's own backend (its cached prefix with cache_aware, its session with
     # consistent_hash) is too loaded for it: more in flight than the least loaded candidate
     # by over balance_abs_threshold and by a factor over balance_rel_threshold. It then goes
     # to the least loaded one (sglang-router's --balance-abs/rel-threshold).
     balance_abs_threshold: Annotated[int, Field(ge=0, le=1_000_000)] = 8
+    # The factor of that test; both must be exceeded (see balance_abs_threshold).
     balance_rel_threshold: Annotated[float, Field(ge=1, le=1000)] = 1.5
-    cache_aware: CacheAwareConfig = CacheAwareConfig()
-    # consistent_hash: the request header whose value picks the worker (RL session id).
+    cache_aware: CacheAwareConfig = CacheAwareConfig()  # the cache_aware balancer's tuning
+    # consistent_hash: the request header whose value picks the worker (RL session id);
+    # a request without it falls back to least_inflight.
     hash_header: Annotated[str, Field(min_length=1)] = "X-Session-Id"
     seed: int | None = None  # for reproducible power_of_two choices
-    # Attempts per request when a connection cannot be opened (nothing was sent yet).
+    # Attempts per request when a connection cannot be opened (nothing was sent yet); a sent
+    # request is never re-sent.
     connect_attempts: Annotated[int, Field(ge=1, le=10)] = 3
     # Requests in flight per backend; more wait up to queue_timeout_s for a slot, then 503.
     max_inflight_per_backend: Annotated[int, Field(ge=1, le=1_000_000)] = 1024
+    # How long a request waits for a slot when every backend is at max_inflight_per_backend
+    # (and an inspection for limits.max_inspecting_bytes), then 503.
     queue_timeout_s: Annotated[float, Field(ge=0, le=3600)] = 5.0
     # A generation that only paused or asleep engines could serve waits this long for a
-    # continue or resume, as a paused SGLang engine queues it (then 503); 0: never held.
+    # continue or resume, as a paused SGLang engine queues it (then 503 naming this key);
+    # 0: never held.
     # None: control.timeout_s, the time one weight update through the gateway may take.
     pause_hold_s: Annotated[float, Field(ge=0, le=86400)] | None = None
-    health: HealthConfig = HealthConfig()
-    passive: PassiveConfig = PassiveConfig()
+    health: HealthConfig = HealthConfig()  # active probes
+    passive: PassiveConfig = PassiveConfig()  # ejection by live traffic
 
     @model_validator(mode="before")
     @classmethod
@@ -377,14 +409,15 @@ class BackendsConfig(_Model):
 
 
 class TimeoutsConfig(_Model):
-    connect_s: Seconds = 5.0
-    # Time to the response headers: long, since prefill of a 100k-token prompt takes time.
+    connect_s: Seconds = 5.0  # TCP connect to a backend (and the wait for a pooled one)
+    # Time to the response headers, counted from the request's write: a deadline, not a
+    # silence. Long, since prefill of a 100k-token prompt takes time.
     ttfb_s: Seconds = 900.0
     # The longest silence between chunks of a response once it started.
     idle_s: Seconds = 300.0
     # A deadline for the whole exchange; off by default (generations run for minutes).
     total_s: Seconds | None = None
-    # Deadline for the client to deliver a whole request body (slow-body defence).
+    # Deadline for the client to deliver a whole request body (slow-body defence; 408).
     body_read_s: Seconds = 60.0
     # Idle keep-alive toward clients; also the only bound on slow request headers.
     client_keepalive_s: Seconds = 75.0
@@ -399,8 +432,11 @@ class TimeoutsConfig(_Model):
 
 
 class LimitsConfig(_Model):
-    # 100k-token input_ids lists are ~0.6 MB; multimodal payloads are larger.
+    # The request body cap (413 beyond): 100k-token input_ids lists are ~0.6 MB; multimodal
+    # payloads are larger.
     max_body_bytes: Annotated[int, Field(ge=1024, le=1 << 34)] = 64 << 20
+    # The request line and each header field at most (431 beyond), so a client cannot make
+    # the parser hold an unbounded head.
     max_header_bytes: Annotated[int, Field(ge=1024, le=1 << 20)] = 16 << 10
     # Memory that inspecting bodies may take at once, counted as each parse's worst case
     # (gateway/edge/budget.py); more inspections wait up to backends.queue_timeout_s, then 503.
@@ -414,15 +450,16 @@ class LimitsConfig(_Model):
 
 class RoutingConfig(_Model):
     # any: every routable backend serves; latest: only those at the weight version most
-    # recently installed through the gateway (an RL fleet mid-update never serves stale
-    # weights). A request's X-Weight-Version header asks for exactly that version instead.
+    # recently installed through the gateway, or first seen on an engine (an RL fleet
+    # mid-update never serves stale weights). A request's X-Weight-Version header asks for
+    # exactly that version instead.
     weight_version: Literal["any", "latest"] = "any"
 
 
 class EngineMetricsConfig(_Model):
     """GET /engine_metrics and /metrics on the main port: every engine's /metrics, merged."""
 
-    # Each engine's whole answer is due within this (SMG waits 5 s).
+    # Each engine's whole answer is due within this, else it is left out (SMG waits 5 s).
     timeout_s: Annotated[float, Field(gt=0, le=300)] = 5.0
     # An engine that sends more is left out of the answer (a comment says so). SGLang's
     # text is tens of KB, a few MB with many LoRA adapters or histogram labels.
@@ -439,6 +476,8 @@ class ReloadConfig(_Model):
 
 
 class SamplingMaskConfig(_Model):
+    # enforce: refuse what SGLang would mishandle; log_only: count and log what would be
+    # refused and forward it (to see what enforcing would refuse before turning it on).
     mode: Literal["enforce", "log_only"] = "enforce"
     # A top_k the operator knows the backend fills in when a request omits it. None: an
     # omitted top_k counts as unbounded (fail closed).
@@ -462,13 +501,17 @@ class SamplingMaskConfig(_Model):
 
 
 class PolicyConfig(_Model):
+    # The checks of return_sampling_mask requests the backends would mishandle.
     sampling_mask: SamplingMaskConfig = SamplingMaskConfig()
     # Refuse a request whose parallel sampling `n` exceeds this: SGLang allocates per-sample
     # state up front, so one huge n can exhaust a server's memory. null: no cap.
     max_parallel_samples: Annotated[int, Field(ge=1)] | None = 1024
     # Forward a body that provably cannot hold the mask key (an exact byte scan) without
     # parsing it. Faster for large token-id bodies; malformed or mistyped bodies are then
-    # refused by SGLang itself rather than by the gateway. Off: every body is parsed.
+    # refused by SGLang itself rather than by the gateway, and the n cap and top_k range
+    # checks are skipped for them. The scan finds no literal key and no \u escape; the rid is
+    # still read by a walk of the body's strings for owner routing (a body whose rid the
+    # walk cannot vouch for is parsed after all). Off: every body is parsed.
     skip_parse_without_mask_key: bool = False
 
 
@@ -513,6 +556,7 @@ Secret = Annotated[SecretStr, AfterValidator(_not_masked)]
 class AuthConfig(_Model):
     """Optional bearer API keys for clients (an ingress), and credentials for backends."""
 
+    # Every request outside exempt_paths needs a key of keys or keys_file (401 otherwise).
     enabled: bool = False
     # Keys inline (prefer keys_file: it can be rotated by editing it and sending SIGHUP).
     keys: list[Secret] = Field(default_factory=list)
@@ -523,6 +567,8 @@ class AuthConfig(_Model):
     # the client sent. Without it, a client's Authorization passes through unless client
     # authentication is on, in which case the client's key is never forwarded.
     upstream_authorization: Secret | None = None
+    # The same credential read from a file (not with upstream_authorization), so the secret
+    # stays out of the config.
     upstream_authorization_file: str | None = None
 
     @model_validator(mode="after")
@@ -546,6 +592,7 @@ class MembershipConfig(_Model):
     """Who may register, list and remove workers (the registry routes) without a key: the
     cluster's engines, which register themselves from their own nodes and send no header."""
 
+    # Callers that need no key for them, unless their request carries forwarding headers.
     # Empty by default: only operators change the membership.
     trusted_cidrs: list[Cidr] = Field(default_factory=list)
 
@@ -557,9 +604,10 @@ class ControlConfig(_Model):
 
     # Operator bearer keys (prefer keys_file: rotated by editing it and sending SIGHUP).
     keys: list[Secret] = Field(default_factory=list)
-    keys_file: str | None = None
-    # Callers from these networks need no key. Loopback by default: the RL driver on the
-    # gateway's own host.
+    keys_file: str | None = None  # one operator key per line, # comments allowed
+    # Callers from these networks need no key, unless their request carries forwarding
+    # headers. Loopback by default: the RL driver on the gateway's own host. Behind a proxy
+    # on that host every client is a loopback caller: set keys then.
     trusted_cidrs: list[Cidr] = Field(default_factory=lambda: ["127.0.0.0/8", "::1/128"])
     # The deadline of one fanned-out call, per backend (a weight update from disk takes time).
     timeout_s: Seconds = 120.0
@@ -582,8 +630,9 @@ def header_safe(value: str) -> bool:
 
 
 class LoggingConfig(_Model):
-    level: Literal["debug", "info", "warning", "error"] = "info"
-    access_log: bool = True
+    level: Literal["debug", "info", "warning", "error"] = "info"  # the least severe logged
+    access_log: bool = True  # one line per request on stdout
+    # json: one object per line, for a log pipeline; text: for a person at a terminal.
     format: Literal["json", "text"] = "json"
 
 
@@ -624,9 +673,11 @@ def _otlp_endpoint(value: str) -> str:
 class TracingConfig(_Model):
     """OpenTelemetry spans for each request, exported over OTLP/HTTP (the otel extra)."""
 
+    # Needs pip install 'sglang-gateway[otel]'; true without it is a config error saying so.
     enabled: bool = False
     # The collector's OTLP/HTTP traces URL, signal path included.
     endpoint: Annotated[str, AfterValidator(_otlp_endpoint)] = "http://127.0.0.1:4318/v1/traces"
+    # The spans' service.name.
     service_name: Annotated[str, Field(min_length=1, max_length=255)] = "sglang-gateway"
     # Share of new traces recorded; a request that arrives with a traceparent follows its
     # sampled flag instead (parent-based), so a trace is never recorded in part.
@@ -666,7 +717,8 @@ class EtcdConfig(_Model):
     prefix: Annotated[str, AfterValidator(_etcd_prefix)] = "/sglang-gateway/"
     # etcd's user/password auth (a token is fetched with them); secrets, never printed.
     username: str | None = None
-    password: Secret | None = None
+    password: Secret | None = None  # with username; or password_file, not both
+    # The password read from a file, so the secret stays out of the config.
     password_file: str | None = None
     # https endpoints: the CA that signed etcd's certificate (the system's CAs otherwise).
     ca_file: str | None = None
@@ -696,8 +748,10 @@ class StateConfig(_Model):
     """Where the fleet's state (registry, engine states, versions) is shared: `local`, one
     process or the --workers of one host (a file); `etcd`, several replicas."""
 
+    # etcd: registry members, paused and asleep engines, weight versions, LoRA adapters and
+    # the latest version live in etcd, shared by every replica and --workers process.
     backend: Literal["local", "etcd"] = "local"
-    etcd: EtcdConfig | None = None
+    etcd: EtcdConfig | None = None  # the cluster, needed with backend: etcd
 
     @model_validator(mode="after")
     def _consistent(self) -> StateConfig:
@@ -709,22 +763,23 @@ class StateConfig(_Model):
 
 
 class GatewayConfig(_Model):
-    listen: ListenConfig = ListenConfig()
-    admin: AdminConfig = AdminConfig()
+    listen: ListenConfig = ListenConfig()  # the client listener
+    admin: AdminConfig = AdminConfig()  # the admin listener: probes and metrics
     backends: BackendsConfig  # required: a gateway with no backend is a config mistake
-    timeouts: TimeoutsConfig = TimeoutsConfig()
-    limits: LimitsConfig = LimitsConfig()
-    policy: PolicyConfig = PolicyConfig()
-    routes: RoutesConfig = RoutesConfig()
-    forwarding: ForwardingConfig = ForwardingConfig()
-    auth: AuthConfig = AuthConfig()
-    control: ControlConfig = ControlConfig()
-    routing: RoutingConfig = RoutingConfig()
+    timeouts: TimeoutsConfig = TimeoutsConfig()  # deadlines toward clients and backends
+    limits: LimitsConfig = LimitsConfig()  # caps on what clients may make the gateway hold
+    policy: PolicyConfig = PolicyConfig()  # what the gateway refuses before a backend sees it
+    routes: RoutesConfig = RoutesConfig()  # which paths are inspected, which forwarded as is
+    forwarding: ForwardingConfig = ForwardingConfig()  # X-Forwarded-* from trusted proxies
+    auth: AuthConfig = AuthConfig()  # client API keys and the credential sent to backends
+    control: ControlConfig = ControlConfig()  # who may call the fleet control routes
+    routing: RoutingConfig = RoutingConfig()  # which backends a generation may go to
+    # Every engine's /metrics, merged on the main port.
     engine_metrics: EngineMetricsConfig = EngineMetricsConfig()
-    logging: LoggingConfig = LoggingConfig()
-    reload: ReloadConfig = ReloadConfig()
-    tracing: TracingConfig = TracingConfig()
-    state: StateConfig = StateConfig()
+    logging: LoggingConfig = LoggingConfig()  # the log and the access log
+    reload: ReloadConfig = ReloadConfig()  # reloading when the file changes
+    tracing: TracingConfig = TracingConfig()  # OpenTelemetry spans (the otel extra)
+    state: StateConfig = StateConfig()  # where the fleet state is shared: one host or etcd
 
 
 # Settings that need new sockets, a new connection pool or a new exporter: a reload cannot
