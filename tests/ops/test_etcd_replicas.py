@@ -64,12 +64,12 @@ class Replica:
         async with aiohttp.ClientSession() as s, s.get(self.admin + "/readyz") as r:
             return r.status, (await r.json())["reason"]
 
-    async def gauge(self, name: str) -> float:
+    async def gauge(self, name: str, **labels: str) -> float:
         async with aiohttp.ClientSession() as s, s.get(self.admin + "/metrics") as r:
             text = await r.text()
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name == name:
+                if sample.name == name and labels.items() <= sample.labels.items():
                     return sample.value
         raise AssertionError(f"no {name}")
 
@@ -345,8 +345,8 @@ async def test_an_abort_by_rid_through_another_replica_reaches_the_owner(
     stubs: list[StubBackend],
     tmp_path: Path,
 ) -> None:
-    """Which replica routed which rid is not shared: b, which did not route it, sends the
-    abort to every engine, the owner among them; the rollout ends aborted, at once."""
+    """a writes which engine serves the rid to etcd: b, which did not route it, reads it
+    and sends the abort to that engine alone; the rollout ends aborted, at once."""
     first, second = stubs[0], stubs[1]
     async with replicas(etcd.url, first.url, tmp_path, n=2) as (a, b):
         status, _ = await a.call("POST", "/workers", json={"url": second.url})
@@ -358,11 +358,21 @@ async def test_an_abort_by_rid_through_another_replica_reaches_the_owner(
         async with asyncio.timeout(5):
             while not any(s.generations_seen for s in (first, second)):
                 await asyncio.sleep(0.02)
+        owner = first.url if first.generations_seen else second.url
+        key = PREFIX + "rids/rollout-7"
+        async with asyncio.timeout(5):  # written within a flush (50 ms) of its routing
+            while await etcd.get(key) is None:
+                await asyncio.sleep(0.02)
+        assert await etcd.get(key) == owner.encode()
         t0 = time.monotonic()
         status, reply = await b.call("POST", "/abort_request", json={"rid": "rollout-7"})
         assert status == 200
-        assert {r["url"] for r in reply["results"]} == {first.url, second.url}
+        assert [r["url"] for r in reply["results"]] == [owner]
         status, out = await asyncio.wait_for(rollout, 5)
         assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort"
         assert time.monotonic() - t0 < 5
         assert first.aborted + second.aborted == 1
+        assert await b.gauge("sglang_gateway_abort_owner_lookups_total", result="found") == 1
+        async with asyncio.timeout(5):  # the request ended: its owner is deleted
+            while await etcd.get(key) is not None:
+                await asyncio.sleep(0.02)
