@@ -376,3 +376,48 @@ async def test_an_abort_by_rid_through_another_replica_reaches_the_owner(
         async with asyncio.timeout(5):  # the request ended: its owner is deleted
             while await etcd.get(key) is not None:
                 await asyncio.sleep(0.02)
+
+
+async def test_a_replica_killed_mid_fan_out_leaves_the_lock_to_its_lease(
+    etcd: EtcdServer,  # noqa: F811
+    stubs: list[StubBackend],
+    tmp_path: Path,
+) -> None:
+    """a is SIGKILLed while it holds the control lock for a weight update to slow engines:
+    b is refused with 409 naming the busy call until a's lease (3 s) expires, then b's
+    call is served; the rid owners a wrote expire with it."""
+    first = stubs[0]
+    async with replicas(etcd.url, first.url, tmp_path, n=3) as (a, b, _):
+        await settle(a, stubs)
+        slow = {**JSON, "X-Stub-Delay-Ms": "30000"}
+        body = orjson.dumps({"text": "long", "rid": "orphan-1"})
+        held = asyncio.ensure_future(a.call("POST", "/generate", data=body, headers=slow))
+        rid_key = PREFIX + "rids/orphan-1"
+        async with asyncio.timeout(5):
+            while await etcd.get(rid_key) is None:
+                await asyncio.sleep(0.02)
+        update = {"model_path": "/ckpt/step-9", "weight_version": "step-9"}
+        fan_out = asyncio.ensure_future(
+            a.call("POST", "/update_weights_from_disk", json=update, headers=slow)
+        )
+        async with asyncio.timeout(5):
+            while not any(r.path == "/update_weights_from_disk" for r in first.received):
+                await asyncio.sleep(0.02)
+        assert await etcd.get(PREFIX + "lock/control") is not None
+        a.proc.proc.kill()
+        await a.proc.proc.wait()
+        for lost in (held, fan_out):
+            with contextlib.suppress(aiohttp.ClientError):
+                await lost
+        status, reply = await b.call("POST", "/update_weights_from_disk", json=update)
+        assert status == 409
+        assert "/update_weights_from_disk" in reply["detail"]
+        async with asyncio.timeout(10):
+            while True:
+                status, reply = await b.call("POST", "/update_weights_from_disk", json=update)
+                if status == 200:
+                    break
+                assert status == 409
+        assert reply["success"]
+        assert await etcd.get(rid_key) is None  # gone with a's lease
+        assert await etcd.get(PREFIX + "lock/control") is None
