@@ -249,7 +249,7 @@ async def test_etcd_lost_and_back(
         assert status == 200 and etcd.url in reason  # still ready: generation is served
         assert await a.gauge("sglang_gateway_state_store_up") == 0.0
         t_lost = time.monotonic()
-        while time.monotonic() - t_lost < 4:  # etcd away for several seconds
+        while time.monotonic() - t_lost < 10:  # etcd away for 10 s: past every lease
             for r in (a, b, c):
                 status, _ = await r.call("POST", "/generate", data=GEN, headers=JSON)
                 assert status == 200
@@ -421,3 +421,62 @@ async def test_a_replica_killed_mid_fan_out_leaves_the_lock_to_its_lease(
         assert reply["success"]
         assert await etcd.get(rid_key) is None  # gone with a's lease
         assert await etcd.get(PREFIX + "lock/control") is None
+
+
+async def _until_listed(replica: Replica, seen: Any) -> float:
+    """Seconds until `seen(workers)` holds on `replica` (polled every 2 ms)."""
+    t0 = time.perf_counter()
+    async with asyncio.timeout(5):
+        while True:
+            status, listed = await replica.call("GET", "/workers")
+            if status == 200 and seen(listed["workers"]):
+                return time.perf_counter() - t0
+            await asyncio.sleep(0.002)
+
+
+async def test_propagation_measured(
+    etcd: EtcdServer,  # noqa: F811
+    stubs: list[StubBackend],
+    tmp_path: Path,
+) -> None:
+    """20 rounds each of a registration, a pause and a weight version through one replica
+    until another lists it; figures printed (run with -s) for docs/fleet-state.md."""
+    first, second, _ = stubs
+    figures: dict[str, list[float]] = {"register": [], "pause": [], "weight version": []}
+    async with replicas(etcd.url, first.url, tmp_path) as (a, b, c):
+        await settle(a, stubs)
+        for i in range(20):
+            via, far = (a, b, c)[i % 3], (a, b, c)[(i + 1) % 3]
+            if i:
+                status, _ = await via.call("DELETE", f"/workers/{_id(second)}")
+                assert status == 200
+                await _until_listed(far, lambda ws: len(ws) == 1)
+            call = via.call("POST", "/workers", json={"url": second.url})
+            posted = asyncio.ensure_future(call)
+            figures["register"].append(await _until_listed(far, lambda ws: len(ws) == 2))
+            assert (await posted)[0] == 200
+            paused = asyncio.ensure_future(via.call("POST", "/pause_generation", json={}))
+            figures["pause"].append(
+                await _until_listed(far, lambda ws: all(w["paused"] for w in ws))
+            )
+            assert (await paused)[0] == 200
+            status, _ = await via.call("POST", "/continue_generation", json={})
+            assert status == 200
+            version = f"step-{i}"
+            update = {"model_path": f"/ckpt/{version}", "weight_version": version}
+            updated = asyncio.ensure_future(
+                via.call("POST", "/update_weights_from_disk", json=update)
+            )
+            figures["weight version"].append(
+                await _until_listed(
+                    far, lambda ws, v=version: all(w["weight_version"] == v for w in ws)
+                )
+            )
+            assert (await updated)[0] == 200
+    print()
+    for what, times in figures.items():
+        assert len(times) == 20
+        print(
+            f"propagation, {what} (3 replicas, 20 rounds): "
+            f"p50 {statistics.median(times) * 1000:.1f} ms, max {max(times) * 1000:.1f} ms"
+        )
