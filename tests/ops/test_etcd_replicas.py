@@ -480,3 +480,33 @@ async def test_propagation_measured(
             f"propagation, {what} (3 replicas, 20 rounds): "
             f"p50 {statistics.median(times) * 1000:.1f} ms, max {max(times) * 1000:.1f} ms"
         )
+
+
+async def test_etcd_credentials_never_reach_the_output(
+    etcd: EtcdServer,  # noqa: F811
+    stubs: list[StubBackend],
+    tmp_path: Path,
+) -> None:
+    """A start whose auth etcd refuses (auth is not enabled on it): the error names the
+    endpoint, and the password appears nowhere in what the process printed."""
+    password = "pw-Zq81-never-printed"
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(
+        config(etcd.url, stubs[0].url).replace(
+            "    lease_ttl_s: 3\n",
+            f"    lease_ttl_s: 3\n    username: gw\n    password: {password}\n",
+        )
+    )
+    proc = await spawn(
+        "gateway",
+        "--config",
+        str(cfg),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    printed = (out + err).decode()
+    assert proc.returncode == 1
+    assert "refused the credentials" in printed and etcd.url in printed
+    assert password not in printed
+    assert password.encode().hex() not in printed
