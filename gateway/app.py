@@ -32,10 +32,12 @@ from gateway.edge.headers import ForwardedHeaders
 from gateway.edge.proxy import Proxy, ProxySettings
 from gateway.edge.server import Listener
 from gateway.edge.upstream import Upstream
+from gateway.fleet import rid_owners
 from gateway.fleet.discovery import Resolver, describe_failure
 from gateway.fleet.etcd_state import EtcdState
 from gateway.fleet.membership import Fleet
 from gateway.fleet.pool import BackendPool
+from gateway.fleet.rid_owners import RidPublisher
 from gateway.fleet.shared import SharedState
 from gateway.ops import logs
 from gateway.ops.admin import make_admin_app
@@ -284,6 +286,8 @@ class Gateway:
         self.fleet.start(AiohttpClients(self._session))
         if shared is not None:
             await self.fleet.join(shared)
+            if isinstance(shared, EtcdState) and cfg.state.etcd is not None:
+                shared.rid_publisher = self._share_rid_owners(shared, cfg.state.etcd.prefix)
         server = Listener(
             self.tracer.serve(self.proxy.handle),
             max_connections=_max_connections(cfg),
@@ -363,6 +367,21 @@ class Gateway:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(grace):
                     await self.proxy.wait_idle()
+
+    def _share_rid_owners(self, shared: EtcdState, prefix: str) -> RidPublisher:
+        """Which engine serves each rid, written to etcd so an abort through another
+        replica reaches that engine alone."""
+        assert self.proxy is not None
+        control = self.proxy.control
+        publisher = RidPublisher(
+            control.owners,
+            shared.store,
+            prefix,
+            lease_ttl_s=min(rid_owners.LEASE_TTL_S, shared.lease_ttl_s),
+        )
+        control.publisher = publisher
+        publisher.start()
+        return publisher
 
     async def stop(self) -> None:
         """Drain: readiness off, stop accepting, let in-flight requests finish, close."""

@@ -250,6 +250,19 @@ class EtcdClient:
         )
         return bool(answer.get("succeeded"))
 
+    async def write_many(
+        self, puts: list[tuple[bytes, bytes]], deletes: list[bytes], *, lease: int = 0
+    ) -> int:
+        """Put and delete keys in one transaction (no compare: it always applies)."""
+        ops: list[dict[str, Any]] = []
+        for key, value in puts:
+            put: dict[str, Any] = {"key": b64(key), "value": b64(value)}
+            if lease:
+                put["lease"] = str(lease)
+            ops.append({"request_put": put})
+        ops.extend({"request_delete_range": {"key": b64(key)}} for key in deletes)
+        return _revision(await self.post("/v3/kv/txn", {"compare": [], "success": ops}))
+
     async def compact(self, revision: int) -> None:
         await self.post("/v3/kv/compaction", {"revision": str(revision)})
 

@@ -54,6 +54,7 @@ from gateway.edge.server import Reply
 from gateway.edge.upstream import Upstream
 from gateway.fleet.etcd_state import LockBusy, StoreDown
 from gateway.fleet.membership import Fleet
+from gateway.fleet.rid_owners import RidPublisher
 from gateway.fleet.shared import SharingFailed
 from gateway.runtime import Shielded
 
@@ -68,12 +69,17 @@ _VERSION_READ_S: Final = 10.0
 
 class RidOwners:
     """rid -> the backend serving it, for requests in flight: an abort of a known rid goes
-    to its owner alone."""
+    to its owner alone. Once shared (state.backend: etcd), it also notes what changed for
+    gateway/fleet/rid_owners.py to write in batches: a dict write per rid, nothing more on
+    the request path."""
 
-    __slots__ = ("_by_rid",)
+    __slots__ = ("_by_rid", "_pending", "_shared")
 
     def __init__(self) -> None:
         self._by_rid: dict[str, str] = {}
+        # rid -> its owner to write, or None to delete; None itself: not shared.
+        self._pending: dict[str, str | None] | None = None
+        self._shared: set[str] = set()  # rids written (or being written) to the store
 
     def __len__(self) -> int:
         return len(self._by_rid)
@@ -81,19 +87,77 @@ class RidOwners:
     def claim(self, rids: Sequence[str], url: str) -> None:
         """The attempt on `url` serves `rids` from now on."""
         by_rid = self._by_rid
+        pending = self._pending
         for rid in rids:
             by_rid[rid] = url
+            if pending is not None:
+                pending[rid] = url
 
     def release(self, rids: Sequence[str], url: str) -> None:
         """The attempt on `url` ended: forget the rids it still owns (a later attempt
         elsewhere may own them already)."""
         by_rid = self._by_rid
+        pending = self._pending
         for rid in rids:
             if by_rid.get(rid) == url:
                 del by_rid[rid]
+                if pending is None:
+                    continue
+                if rid in self._shared:
+                    pending[rid] = None
+                else:
+                    # Ended before its batch was written: it never reaches the store.
+                    pending.pop(rid, None)
 
     def owner(self, rid: str) -> str | None:
         return self._by_rid.get(rid)
+
+    # -- sharing (gateway/fleet/rid_owners.py) -------------------------------------------
+
+    def share(self) -> None:
+        """Note changes from now on, and every rid in flight as one to write."""
+        self._pending = dict(self._by_rid)
+
+    @property
+    def unwritten(self) -> int:
+        return len(self._pending) if self._pending is not None else 0
+
+    def take(self, limit: int) -> list[tuple[str, str | None]]:
+        """Up to `limit` changes to write, oldest first; the rids put count as shared."""
+        pending = self._pending
+        if not pending:
+            return []
+        batch: list[tuple[str, str | None]] = []
+        for rid, url in pending.items():
+            batch.append((rid, url))
+            if len(batch) >= limit:
+                break
+        for rid, url in batch:
+            del pending[rid]
+            if url is not None:
+                self._shared.add(rid)
+        return batch
+
+    def written(self, batch: list[tuple[str, str | None]]) -> None:
+        """`batch` is in the store: its deleted rids are no longer there."""
+        pending = self._pending
+        for rid, url in batch:
+            if url is None and (pending is None or rid not in pending):
+                self._shared.discard(rid)
+
+    def unwritten_again(self, batch: list[tuple[str, str | None]]) -> None:
+        """Writing `batch` failed: its changes are due again, unless newer ones replaced them."""
+        pending = self._pending
+        if pending is None:
+            return
+        for rid, url in batch:
+            pending.setdefault(rid, url)
+
+    def rewrite_all(self) -> None:
+        """The store lost what was written (a new lease): every rid in flight anew."""
+        if self._pending is not None:
+            self._shared.clear()
+            self._pending.update(self._by_rid)
 
 
 class FleetControl:
@@ -104,6 +168,8 @@ class FleetControl:
         self._pool = fleet.pool
         self.fanout = FanOut(upstream)
         self.owners = RidOwners()
+        # state.backend: etcd: an abort of a rid routed by another replica finds its owner.
+        self.publisher: RidPublisher | None = None
         self._runs = Shielded()
 
     async def handle(self, call: Call, route: Route) -> Reply | None:
@@ -129,7 +195,10 @@ class FleetControl:
             return self._fleet_read(call, route)
         if route.kind is Kind.REGISTRY:
             return await self._registry(call, route, caller, body)
-        targets = self._targets(call, route, engine_path, body)
+        owner = None
+        if route.path == "/abort_request" and engine_path is None:
+            owner = await self._abort_owner(body)
+        targets = self._targets(call, route, engine_path, owner)
         if isinstance(targets, Reply):
             return targets
         return await self._fan_out(call, route, caller, targets, body, engine_path=engine_path)
@@ -239,7 +308,7 @@ class FleetControl:
         return call.reply(status, answer, outcome)
 
     def _targets(
-        self, call: Call, route: Route, engine_path: tuple[str, str] | None, body: bytes
+        self, call: Call, route: Route, engine_path: tuple[str, str] | None, owner: str | None
     ) -> tuple[list[str], str] | Reply:
         """The backends a control call goes to, and the target each one gets."""
         raw_path = call.raw_path
@@ -258,10 +327,8 @@ class FleetControl:
             target = path + "?" + query if query else path
         else:
             urls = [b.url for b in self._pool.backends]
-            if route.path == "/abort_request":
-                owner = self._abort_owner(body)
-                if owner is not None and owner in urls:
-                    urls = [owner]
+            if owner is not None and owner in urls:
+                urls = [owner]
         if not urls:
             self.fanout.count(route.path, "failed")
             return call.unavailable(Outcome.NO_BACKEND)
@@ -388,10 +455,11 @@ class FleetControl:
         self.fanout.count(route.path, "ok")
         return call.reply(200, fleet_reads.weight_version(self._pool), Outcome.OK)
 
-    def _abort_owner(self, body: bytes) -> str | None:
-        """The backend serving the one rid an abort names, if this gateway routed it there.
-        An abort of all, of a list, of a prefix, or of an unknown rid (queued anywhere, or
-        routed by another gateway process) goes to every backend."""
+    async def _abort_owner(self, body: bytes) -> str | None:
+        """The backend serving the one rid an abort names, if this gateway (or, through
+        etcd, another replica) routed it there. An abort of all, of a list, of a prefix, or
+        of an unknown rid (queued anywhere, or routed by another gateway process without a
+        shared store) goes to every backend."""
         try:
             parsed = orjson.loads(body) if body else None
         except orjson.JSONDecodeError:
@@ -403,7 +471,11 @@ class FleetControl:
             # true}): they may run on any engine, whatever this gateway routed under p itself.
             return None
         rid = parsed.get("rid")
-        return self.owners.owner(rid) if isinstance(rid, str) else None
+        if not isinstance(rid, str):
+            return None
+        if self.publisher is not None:
+            return await self.publisher.lookup(rid)
+        return self.owners.owner(rid)
 
 
 _CLIENT: Final = "client"

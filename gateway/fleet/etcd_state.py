@@ -43,6 +43,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, Final
 
 from gateway.fleet.kv import Compacted, EtcdError, Store
+from gateway.fleet.rid_owners import RidPublisher
 from gateway.fleet.shared import (
     ACK_TIMEOUT_S,
     Change,
@@ -126,6 +127,7 @@ class EtcdState:
         self.errors: dict[tuple[str, str], int] = {}
         self.repairs = 0
         self.relists = 0  # documents read anew after compaction or a broken watch
+        self.rid_publisher: RidPublisher | None = None  # rid owners, shared (started by app)
         self._log = Throttled(log)
 
     @property
@@ -408,6 +410,8 @@ class EtcdState:
 
     async def close(self) -> None:
         """Give back the lease (the acknowledgement and any lock go with it) and the client."""
+        if self.rid_publisher is not None:
+            await self.rid_publisher.close()
         if self._lease:
             with contextlib.suppress(EtcdError):
                 await self.store.revoke(self._lease)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from http import HTTPStatus
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
 from prometheus_client import (
     CollectorRegistry,
@@ -826,6 +826,35 @@ class FleetCollector(Collector):
         )
 
 
+def _rid_owner_families(publisher: Any) -> Iterator[Metric]:
+    """rid owners shared through etcd (gateway/fleet/rid_owners.py)."""
+    if publisher is None:
+        return
+    flushes = CounterMetricFamily(
+        PREFIX + "rid_owner_flushes",
+        "Batches of rid owners written to etcd, by result (failed: etcd away, kept to retry).",
+        labels=["result"],
+    )
+    for result, count in sorted(publisher.flushes.items()):
+        flushes.add_metric([result], float(count))
+    yield flushes
+    yield CounterMetricFamily(
+        PREFIX + "rid_owner_writes",
+        "rid owner keys put or deleted in etcd.",
+        value=float(publisher.writes),
+    )
+    lookups = CounterMetricFamily(
+        PREFIX + "abort_owner_lookups",
+        "Aborts by rid looking for the engine serving it: local (routed here), found (in "
+        "etcd: another replica routed it), unknown (to every engine), failed (etcd did not "
+        "answer in time: to every engine).",
+        labels=["result"],
+    )
+    for result, count in sorted(publisher.lookups.items()):
+        lookups.add_metric([result], float(count))
+    yield lookups
+
+
 def _shared_families(shared: _SharedStats | None) -> Iterator[Metric]:
     """The state file --workers share; nothing for a gateway that is one process."""
     if shared is None:
@@ -846,6 +875,14 @@ def _shared_families(shared: _SharedStats | None) -> Iterator[Metric]:
         "Damaged fleet state files this worker rebuilt from its own view.",
         value=float(shared.repairs),
     )
+    relists = getattr(shared, "relists", None)
+    if isinstance(relists, int):  # state.backend: etcd
+        yield CounterMetricFamily(
+            PREFIX + "state_store_relists",
+            "Fleet documents read anew from etcd after its history was compacted under the watch.",
+            value=float(relists),
+        )
+    yield from _rid_owner_families(getattr(shared, "rid_publisher", None))
     up = getattr(shared, "store_up", None)
     if isinstance(up, bool):  # state.backend: etcd
         yield GaugeMetricFamily(

@@ -8,14 +8,20 @@ a generation held open on one of them, then the abort: only that stub receives i
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import io
 
 import aiohttp
 import orjson
 import pytest
 
+from gateway.edge.etcd import EtcdClient
+from gateway.edge.fleet_control import RidOwners
+from gateway.fleet.rid_owners import RidPublisher
 from gateway.testing.stub import StubBackend
-from tests.conftest import GatewayFactory, gw_url, wait_for
+from tests.conftest import GatewayFactory, free_port, gw_url, wait_for
+from tests.etcd import EtcdServer, etcd  # noqa: F401 - the fixture
 
 SLOW = {"X-Stub-Chunk-Delay-Ms": "100", "X-Stub-Events": "100", "Content-Type": "application/json"}
 IDS_100K = list(range(1000, 101_000))
@@ -64,3 +70,83 @@ async def test_an_abort_reaches_only_the_owner_without_a_parse(
         for stub in stubs:
             assert _abort_bodies(stub) == ([abort] if stub is owner else [])
     await wait_for(lambda: not gw.proxy.owners if gw.proxy else False)
+
+
+# -- shared through etcd (state.backend: etcd; gateway/fleet/rid_owners.py) ----------------
+
+OWNER = "http://127.0.0.1:30001"
+PREFIX = "/rids-test/"
+
+
+async def _until(probe: object, want: object) -> None:
+    async with asyncio.timeout(5):
+        while await probe() != want:  # type: ignore[operator]
+            await asyncio.sleep(0.01)
+
+
+async def _count(server: EtcdServer) -> int:
+    prefix = (PREFIX + "rids/").encode()
+    found = await server.call(
+        "/v3/kv/range",
+        {"key": b64(prefix), "range_end": b64(prefix[:-1] + b"0"), "count_only": True},
+    )
+    return int(found.get("count", 0))
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+async def test_a_request_that_ends_before_its_flush_never_reaches_etcd(
+    etcd: EtcdServer,  # noqa: F811
+) -> None:
+    owners = RidOwners()
+    publisher = RidPublisher(owners, EtcdClient([etcd.url], timeout_s=1), PREFIX, lease_ttl_s=3)
+    publisher.start()
+    try:
+        owners.claim(["short"], OWNER)
+        owners.release(["short"], OWNER)  # before any flush: nothing is left to write
+        assert owners.unwritten == 0
+        owners.claim(["long"], OWNER)
+        await _until(lambda: etcd.get(PREFIX + "rids/long"), OWNER.encode())
+        assert await etcd.get(PREFIX + "rids/short") is None
+        owners.release(["long"], OWNER)
+        await _until(lambda: etcd.get(PREFIX + "rids/long"), None)
+        assert publisher.writes == 2  # long's put and delete; short never
+        assert publisher.flushes["failed"] == 0
+    finally:
+        await publisher.close()
+        await publisher.store.close()
+
+
+async def test_owners_are_written_in_transactions_of_at_most_128_keys(
+    etcd: EtcdServer,  # noqa: F811
+) -> None:
+    owners = RidOwners()
+    owners.claim([f"r-{i}" for i in range(300)], OWNER)  # in flight before sharing began
+    publisher = RidPublisher(owners, EtcdClient([etcd.url], timeout_s=1), PREFIX, lease_ttl_s=3)
+    publisher.start()
+    try:
+        await _until(lambda: _count(etcd), 300)
+        assert publisher.flushes["ok"] == 3  # 128 + 128 + 44
+        assert publisher.writes == 300
+        assert await publisher.lookup("r-299") == OWNER
+    finally:
+        await publisher.close()
+        await publisher.store.close()
+    # The lease went with the close: so did every key under it.
+    assert await _count(etcd) == 0
+
+
+async def test_an_owner_lookup_with_etcd_away_answers_unknown() -> None:
+    owners = RidOwners()
+    client = EtcdClient([f"http://127.0.0.1:{free_port()}"], timeout_s=1)
+    publisher = RidPublisher(owners, client, PREFIX, lease_ttl_s=3)
+    try:
+        assert await publisher.lookup("anything") is None
+        assert publisher.lookups["failed"] == 1
+        owners.claim(["mine"], OWNER)
+        assert await publisher.lookup("mine") == OWNER  # routed here: no etcd read
+        assert publisher.lookups["local"] == 1
+    finally:
+        await client.close()

@@ -64,12 +64,12 @@ class Replica:
         async with aiohttp.ClientSession() as s, s.get(self.admin + "/readyz") as r:
             return r.status, (await r.json())["reason"]
 
-    async def gauge(self, name: str) -> float:
+    async def gauge(self, name: str, **labels: str) -> float:
         async with aiohttp.ClientSession() as s, s.get(self.admin + "/metrics") as r:
             text = await r.text()
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name == name:
+                if sample.name == name and labels.items() <= sample.labels.items():
                     return sample.value
         raise AssertionError(f"no {name}")
 
@@ -251,7 +251,7 @@ async def test_etcd_lost_and_back(
         assert status == 200 and etcd.url in reason  # still ready: generation is served
         assert await a.gauge("sglang_gateway_state_store_up") == 0.0
         t_lost = time.monotonic()
-        while time.monotonic() - t_lost < 4:  # etcd away for several seconds
+        while time.monotonic() - t_lost < 10:  # etcd away for 10 s: past every lease
             for r in (a, b, c):
                 status, _ = await r.call("POST", "/generate", data=GEN, headers=JSON)
                 assert status == 200
@@ -347,8 +347,8 @@ async def test_an_abort_by_rid_through_another_replica_reaches_the_owner(
     stubs: list[StubBackend],
     tmp_path: Path,
 ) -> None:
-    """Which replica routed which rid is not shared: b, which did not route it, sends the
-    abort to every engine, the owner among them; the rollout ends aborted, at once."""
+    """a writes which engine serves the rid to etcd: b, which did not route it, reads it
+    and sends the abort to that engine alone; the rollout ends aborted, at once."""
     first, second = stubs[0], stubs[1]
     async with replicas(etcd.url, first.url, tmp_path, n=2) as (a, b):
         status, _ = await a.call("POST", "/workers", json={"url": second.url})
@@ -360,10 +360,154 @@ async def test_an_abort_by_rid_through_another_replica_reaches_the_owner(
         async with asyncio.timeout(30):
             while not any(s.generations_seen for s in (first, second)):
                 await asyncio.sleep(0.02)
+        owner = first.url if first.generations_seen else second.url
+        key = PREFIX + "rids/rollout-7"
+        async with asyncio.timeout(30):  # written within a flush (50 ms) of its routing
+            while await etcd.get(key) is None:
+                await asyncio.sleep(0.02)
+        assert await etcd.get(key) == owner.encode()
         status, reply = await b.call("POST", "/abort_request", json={"rid": "rollout-7"})
         assert status == 200
-        assert {r["url"] for r in reply["results"]} == {first.url, second.url}
+        assert [r["url"] for r in reply["results"]] == [owner]
         # Ended by the abort, well before its 30 s delay: the finish reason says which.
         status, out = await asyncio.wait_for(rollout, 20)
         assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort"
         assert first.aborted + second.aborted == 1
+        assert await b.gauge("sglang_gateway_abort_owner_lookups_total", result="found") == 1
+        async with asyncio.timeout(30):  # the request ended: its owner is deleted
+            while await etcd.get(key) is not None:
+                await asyncio.sleep(0.02)
+
+
+async def test_a_replica_killed_mid_fan_out_leaves_the_lock_to_its_lease(
+    etcd: EtcdServer,  # noqa: F811
+    stubs: list[StubBackend],
+    tmp_path: Path,
+) -> None:
+    """a is SIGKILLed while it holds the control lock for a weight update to slow engines:
+    b is refused with 409 naming the busy call until a's lease (3 s) expires, then b's
+    call is served; the rid owners a wrote expire with it."""
+    first = stubs[0]
+    async with replicas(etcd.url, first.url, tmp_path, n=3) as (a, b, _):
+        await settle(a, stubs)
+        slow = {**JSON, "X-Stub-Delay-Ms": "30000"}
+        body = orjson.dumps({"text": "long", "rid": "orphan-1"})
+        held = asyncio.ensure_future(a.call("POST", "/generate", data=body, headers=slow))
+        rid_key = PREFIX + "rids/orphan-1"
+        async with asyncio.timeout(5):
+            while await etcd.get(rid_key) is None:
+                await asyncio.sleep(0.02)
+        update = {"model_path": "/ckpt/step-9", "weight_version": "step-9"}
+        fan_out = asyncio.ensure_future(
+            a.call("POST", "/update_weights_from_disk", json=update, headers=slow)
+        )
+        async with asyncio.timeout(5):
+            while not any(r.path == "/update_weights_from_disk" for r in first.received):
+                await asyncio.sleep(0.02)
+        assert await etcd.get(PREFIX + "lock/control") is not None
+        a.proc.proc.kill()
+        await a.proc.proc.wait()
+        for lost in (held, fan_out):
+            with contextlib.suppress(aiohttp.ClientError):
+                await lost
+        status, reply = await b.call("POST", "/update_weights_from_disk", json=update)
+        assert status == 409
+        assert "/update_weights_from_disk" in reply["detail"]
+        async with asyncio.timeout(10):
+            while True:
+                status, reply = await b.call("POST", "/update_weights_from_disk", json=update)
+                if status == 200:
+                    break
+                assert status == 409
+        assert reply["success"]
+        assert await etcd.get(rid_key) is None  # gone with a's lease
+        assert await etcd.get(PREFIX + "lock/control") is None
+
+
+async def _until_listed(replica: Replica, seen: Any) -> float:
+    """Seconds until `seen(workers)` holds on `replica` (polled every 2 ms)."""
+    t0 = time.perf_counter()
+    async with asyncio.timeout(5):
+        while True:
+            status, listed = await replica.call("GET", "/workers")
+            if status == 200 and seen(listed["workers"]):
+                return time.perf_counter() - t0
+            await asyncio.sleep(0.002)
+
+
+async def test_propagation_measured(
+    etcd: EtcdServer,  # noqa: F811
+    stubs: list[StubBackend],
+    tmp_path: Path,
+) -> None:
+    """20 rounds each of a registration, a pause and a weight version through one replica
+    until another lists it; figures printed (run with -s) for docs/fleet-state.md."""
+    first, second, _ = stubs
+    figures: dict[str, list[float]] = {"register": [], "pause": [], "weight version": []}
+    async with replicas(etcd.url, first.url, tmp_path) as (a, b, c):
+        await settle(a, stubs)
+        for i in range(20):
+            via, far = (a, b, c)[i % 3], (a, b, c)[(i + 1) % 3]
+            if i:
+                status, _ = await via.call("DELETE", f"/workers/{_id(second)}")
+                assert status == 200
+                await _until_listed(far, lambda ws: len(ws) == 1)
+            call = via.call("POST", "/workers", json={"url": second.url})
+            posted = asyncio.ensure_future(call)
+            figures["register"].append(await _until_listed(far, lambda ws: len(ws) == 2))
+            assert (await posted)[0] == 200
+            paused = asyncio.ensure_future(via.call("POST", "/pause_generation", json={}))
+            figures["pause"].append(
+                await _until_listed(far, lambda ws: all(w["paused"] for w in ws))
+            )
+            assert (await paused)[0] == 200
+            status, _ = await via.call("POST", "/continue_generation", json={})
+            assert status == 200
+            version = f"step-{i}"
+            update = {"model_path": f"/ckpt/{version}", "weight_version": version}
+            updated = asyncio.ensure_future(
+                via.call("POST", "/update_weights_from_disk", json=update)
+            )
+            figures["weight version"].append(
+                await _until_listed(
+                    far, lambda ws, v=version: all(w["weight_version"] == v for w in ws)
+                )
+            )
+            assert (await updated)[0] == 200
+    print()
+    for what, times in figures.items():
+        assert len(times) == 20
+        print(
+            f"propagation, {what} (3 replicas, 20 rounds): "
+            f"p50 {statistics.median(times) * 1000:.1f} ms, max {max(times) * 1000:.1f} ms"
+        )
+
+
+async def test_etcd_credentials_never_reach_the_output(
+    etcd: EtcdServer,  # noqa: F811
+    stubs: list[StubBackend],
+    tmp_path: Path,
+) -> None:
+    """A start whose auth etcd refuses (auth is not enabled on it): the error names the
+    endpoint, and the password appears nowhere in what the process printed."""
+    password = "pw-Zq81-never-printed"
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(
+        config(etcd.url, stubs[0].url).replace(
+            "    lease_ttl_s: 3\n",
+            f"    lease_ttl_s: 3\n    username: gw\n    password: {password}\n",
+        )
+    )
+    proc = await spawn(
+        "gateway",
+        "--config",
+        str(cfg),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    printed = (out + err).decode()
+    assert proc.returncode == 1
+    assert "refused the credentials" in printed and etcd.url in printed
+    assert password not in printed
+    assert password.encode().hex() not in printed
