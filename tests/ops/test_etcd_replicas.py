@@ -279,6 +279,121 @@ async def test_etcd_lost_and_back(
         assert status == 503  # paused everywhere
 
 
+class Partition:
+    """A TCP relay between some replicas and etcd, real sockets both sides: `cut` drops
+    every connection through it and refuses new ones (a network partition), `mend` lets
+    them through again."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.open = True
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self.open:
+            writer.close()
+            return
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._writers |= {writer, up_writer}
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        self._writers -= {writer, up_writer}
+
+    def cut(self) -> None:
+        self.open = False
+        for w in self._writers:
+            w.transport.abort()
+        self._writers.clear()
+
+    def mend(self) -> None:
+        self.open = True
+
+    async def stop(self) -> None:
+        self.cut()
+        if self._server is not None:
+            self._server.close()
+
+
+async def test_compaction_under_a_cut_off_replica_makes_it_relist(
+    etcd: EtcdServer,  # noqa: F811
+    stubs: list[StubBackend],
+    tmp_path: Path,
+) -> None:
+    """b and c reach etcd through a relay that is cut while a changes the fleet and the
+    history is compacted: the revision their watches resume from is gone, so they read
+    the document anew (the relist counter rises) and have a's changes, and later ones."""
+    first, second, third = stubs
+    relay = Partition(etcd.client_port)
+    await relay.start()
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            made = []
+            for i, url in enumerate((etcd.url, relay.url, relay.url)):
+                where = tmp_path / f"replica{i}"
+                where.mkdir()
+                proc = await stack.enter_async_context(
+                    gateway_process(config(url, first.url), where)
+                )
+                made.append(Replica(proc))
+            a, b, c = made
+            status, _ = await a.call("POST", "/workers", json={"url": second.url})
+            assert status == 200
+            assert await b.urls() == await c.urls() == {first.url, second.url}
+            relists = [await r.gauge("sglang_gateway_state_store_relists_total") for r in (b, c)]
+
+            relay.cut()
+            async with asyncio.timeout(10):
+                for r in (b, c):
+                    while await r.gauge("sglang_gateway_state_store_up") != 0.0:
+                        await asyncio.sleep(0.05)
+            # Changes b and c cannot see, then their history compacted away.
+            status, _ = await a.call("POST", "/workers", json={"url": third.url})
+            assert status == 200
+            status, _ = await a.call("POST", "/pause_generation", json={})
+            assert status == 200
+            await etcd.compact()
+            assert await b.urls() == {first.url, second.url}  # still the last state it saw
+
+            relay.mend()
+            every = {first.url, second.url, third.url}
+            async with asyncio.timeout(15):
+                for r in (b, c):
+                    while await r.urls() != every:
+                        await asyncio.sleep(0.05)
+            after = [await r.gauge("sglang_gateway_state_store_relists_total") for r in (b, c)]
+            assert [x - y for x, y in zip(after, relists, strict=True)] == [1.0, 1.0]
+            for r in (b, c):
+                status, listed = await r.call("GET", "/workers")
+                assert all(w["paused"] for w in listed["workers"])
+                while (await r.ready())[1] != "ok":
+                    await asyncio.sleep(0.05)
+
+            # A change after the compaction, through a cut-off replica, reaches every one.
+            status, _ = await b.call("POST", "/continue_generation", json={})
+            assert status == 200
+            status, _ = await c.call("DELETE", f"/workers/{_id(third)}")
+            assert status == 200
+            for r in (a, b, c):
+                status, listed = await r.call("GET", "/workers")
+                assert {w["url"] for w in listed["workers"]} == {first.url, second.url}
+                assert not any(w["paused"] for w in listed["workers"])
+    finally:
+        await relay.stop()
+
+
 async def test_a_replica_that_cannot_reach_etcd_refuses_to_start(
     stubs: list[StubBackend], tmp_path: Path
 ) -> None:
