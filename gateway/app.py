@@ -32,7 +32,6 @@ from gateway.edge.headers import ForwardedHeaders
 from gateway.edge.proxy import Proxy, ProxySettings
 from gateway.edge.server import Listener
 from gateway.edge.upstream import Upstream
-from gateway.fleet import rid_owners
 from gateway.fleet.discovery import Resolver, describe_failure
 from gateway.fleet.etcd_state import EtcdState
 from gateway.fleet.membership import Fleet
@@ -373,12 +372,7 @@ class Gateway:
         replica reaches that engine alone."""
         assert self.proxy is not None
         control = self.proxy.control
-        publisher = RidPublisher(
-            control.owners,
-            shared.store,
-            prefix,
-            lease_ttl_s=min(rid_owners.LEASE_TTL_S, shared.lease_ttl_s),
-        )
+        publisher = RidPublisher(control.owners, shared.store, prefix, lambda: shared.lease)
         control.publisher = publisher
         publisher.start()
         return publisher

@@ -131,6 +131,11 @@ class EtcdState:
         self._log = Throttled(log)
 
     @property
+    def lease(self) -> int:
+        """The lease what this process holds in etcd lives under (0 before the first)."""
+        return self._lease
+
+    @property
     def store_up(self) -> bool:
         return self.down is None
 

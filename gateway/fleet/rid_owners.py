@@ -2,9 +2,10 @@
 
 The request path only notes rid -> backend in a dict (RidOwners in
 gateway/edge/fleet_control.py). This module writes what changed every FLUSH_S, in
-transactions of at most BATCH keys, under a lease of this replica's own, kept alive: keys
-of a replica that dies go with its lease. A request that ends before its batch is written
-never reaches etcd. An abort by rid through another replica reads the key, within
+transactions of at most BATCH keys, under the replica's own lease (the one EtcdState keeps
+alive for its acknowledgement and the control lock): one lease, so the keys of a replica
+that dies go in the same revocation as its lock. A request that ends before its batch is
+written never reaches etcd. An abort by rid through another replica reads the key, within
 LOOKUP_S, and goes to that owner alone; unknown, or etcd away: to every engine.
 """
 
@@ -13,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Final
 
-from gateway.fleet.kv import EtcdError, Store
+from gateway.fleet.kv import EtcdError, EtcdUnavailable, Store
 
 if TYPE_CHECKING:
     from gateway.edge.fleet_control import RidOwners
@@ -26,9 +27,11 @@ log = logging.getLogger("gateway.fleet")
 FLUSH_S: Final = 0.05
 BATCH: Final = 128
 LOOKUP_S: Final = 0.5
-LEASE_TTL_S: Final = 5
+RETRY_MAX_S: Final = 2.0  # the longest pause between tries while etcd is away
 
-FLUSH_RESULTS: Final = ("ok", "failed")
+# ok: written; failed: etcd away, kept for the next try; refused: etcd refused the batch
+# itself (too large for its request limit, say), dropped so it cannot block the others.
+FLUSH_RESULTS: Final = ("ok", "failed", "refused")
 LOOKUP_RESULTS: Final = ("local", "found", "unknown", "failed")
 
 
@@ -40,8 +43,8 @@ class RidPublisher:
         owners: RidOwners,
         store: Store,
         prefix: str,
+        lease: Callable[[], int],
         *,
-        lease_ttl_s: int = LEASE_TTL_S,
         flush_s: float = FLUSH_S,
         batch: int = BATCH,
         lookup_s: float = LOOKUP_S,
@@ -49,11 +52,11 @@ class RidPublisher:
         self.owners = owners
         self.store = store
         self._prefix = (prefix + "rids/").encode()
-        self.lease_ttl_s = lease_ttl_s
+        self._lease = lease  # the replica's lease now: 0 until granted
+        self._written_under = 0  # the lease the written keys live under
         self.flush_s = flush_s
         self.batch = batch
         self.lookup_s = lookup_s
-        self._lease = 0
         self.flushes: dict[str, int] = dict.fromkeys(FLUSH_RESULTS, 0)
         self.writes = 0  # keys put or deleted
         self.lookups: dict[str, int] = dict.fromkeys(LOOKUP_RESULTS, 0)
@@ -67,32 +70,29 @@ class RidPublisher:
         self._task = asyncio.create_task(self._run(), name="rid-owners")
 
     async def _run(self) -> None:
-        renew_at = 0.0
+        pause = self.flush_s
         while True:
-            await asyncio.sleep(self.flush_s)
-            now = time.monotonic()
+            await asyncio.sleep(pause)
             try:
-                if now >= renew_at:
-                    await self._keep_lease()
-                    renew_at = now + self.lease_ttl_s / 3
                 await self._flush()
+                pause = self.flush_s
             except asyncio.CancelledError:
                 raise
-            except EtcdError as exc:
+            except Exception as exc:  # the task must outlive any one failure
                 self.flushes["failed"] += 1
-                renew_at = 0.0  # the lease may have lapsed meanwhile: check it first
+                pause = min(pause * 2, RETRY_MAX_S)
                 log.debug("rid owners not written: %s", type(exc).__name__)
 
-    async def _keep_lease(self) -> None:
-        if self._lease and await self.store.keepalive(self._lease) > 0:
-            return
-        if self._lease:
-            # Expired while etcd was away: what was written under it is gone.
-            self.owners.rewrite_all()
-        self._lease = await self.store.grant(self.lease_ttl_s)
-
     async def _flush(self) -> None:
+        lease = self._lease()
+        if not lease:
+            return  # no lease yet: nothing could be written under it
         owners = self.owners
+        if lease != self._written_under:
+            if self._written_under:
+                # The lease lapsed while etcd was away: what was written under it is gone.
+                owners.rewrite_all()
+            self._written_under = lease
         while True:
             batch = owners.take(self.batch)
             if not batch:
@@ -100,7 +100,16 @@ class RidPublisher:
             puts = [(self.key(rid), url.encode()) for rid, url in batch if url is not None]
             deletes = [self.key(rid) for rid, url in batch if url is None]
             try:
-                await self.store.write_many(puts, deletes, lease=self._lease)
+                await self.store.write_many(puts, deletes, lease=lease)
+            except EtcdUnavailable:
+                owners.unwritten_again(batch)
+                raise
+            except EtcdError as exc:
+                # Refused for what it holds, it would be refused again on every try.
+                owners.written(batch)
+                self.flushes["refused"] += 1
+                log.debug("rid owners refused by etcd: %s", type(exc).__name__)
+                continue
             except BaseException:
                 owners.unwritten_again(batch)
                 raise
@@ -127,13 +136,9 @@ class RidPublisher:
         return kv.value.decode(errors="replace")
 
     async def close(self) -> None:
-        """Stop writing and give back the lease: this replica's keys go with it."""
+        """Stop writing. The keys go when the replica gives back its lease (EtcdState)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        if self._lease:
-            with contextlib.suppress(EtcdError):
-                await self.store.revoke(self._lease)
-            self._lease = 0

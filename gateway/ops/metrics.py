@@ -832,7 +832,8 @@ def _rid_owner_families(publisher: Any) -> Iterator[Metric]:
         return
     flushes = CounterMetricFamily(
         PREFIX + "rid_owner_flushes",
-        "Batches of rid owners written to etcd, by result (failed: etcd away, kept to retry).",
+        "Batches of rid owners written to etcd, by result (failed: a try with etcd away, "
+        "the batch kept to retry; refused: etcd refused the batch itself, dropped).",
         labels=["result"],
     )
     for result, count in sorted(publisher.flushes.items()):
