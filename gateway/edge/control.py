@@ -35,7 +35,7 @@ import orjson
 from gateway.contract.routes import REGISTRY_ROUTES, WORKER_PATH
 from gateway.edge.auth import ApiKeys
 from gateway.edge.failures import ConnectFailed, UpstreamFailure, UpstreamTimeout
-from gateway.edge.headers import peer_in
+from gateway.edge.headers import CLIENT_ADDRESS, peer_in
 from gateway.edge.upstream import Upstream, UpstreamResponse
 from gateway.fleet import engines
 from gateway.fleet.pool import BackendPool, worker_id
@@ -136,15 +136,16 @@ def names_one_rid(body: bytes) -> bool:
     )
 
 
-# Headers a proxy adds to what it relays (RFC 7239, the de facto X- forms, RFC 9110 Via): a
-# caller that sends one is not the peer the gateway sees.
+# Headers a proxy adds to what it relays (RFC 7239, the de facto X- forms, RFC 9110 Via,
+# and the client-address spellings of load balancers and CDNs the forwarding drops from
+# untrusted peers): a caller that sends one is not the peer the gateway sees.
 RELAY_HEADERS: Final = (
     "Forwarded",
     "X-Forwarded-For",
     "X-Forwarded-Proto",
     "X-Forwarded-Host",
-    "X-Real-IP",
     "Via",
+    *sorted(CLIENT_ADDRESS),
 )
 
 

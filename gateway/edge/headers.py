@@ -43,7 +43,7 @@ _RESPONSE_DROP: Final = HOP_BY_HOP | {"x-request-id"}
 # Other spellings of "the client's address" that load balancers and CDNs set and backends
 # or their logs may believe: kept only from a trusted proxy, which set them itself; from
 # anyone else they are a client's claim, and dropped (the gateway adds none).
-_CLIENT_ADDRESS: Final = frozenset(
+CLIENT_ADDRESS: Final = frozenset(
     {"x-real-ip", "x-client-ip", "true-client-ip", "cf-connecting-ip", "x-cluster-client-ip"}
 )
 
@@ -100,7 +100,7 @@ class ForwardedHeaders:
         replace = upstream_authorization is not None or strip_client_authorization
         # The client's key for the gateway is not a credential for the backend.
         self._drop = _REQUEST_DROP | {"authorization"} if replace else _REQUEST_DROP
-        self._drop_untrusted = self._drop | _CLIENT_ADDRESS
+        self._drop_untrusted = self._drop | CLIENT_ADDRESS
 
     @property
     def authorization(self) -> str | None:

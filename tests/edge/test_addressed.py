@@ -158,6 +158,11 @@ async def test_a_relayed_caller_is_not_trusted_by_its_proxys_address(
         "X-Forwarded-For: 203.0.113.9\r\n",
         "Forwarded: for=203.0.113.9;proto=https\r\n",
         "X-Real-IP: 203.0.113.9\r\n",
+        # A CDN's or load balancer's own spelling of the client's address.
+        "CF-Connecting-IP: 203.0.113.9\r\n",
+        "True-Client-IP: 203.0.113.9\r\n",
+        "X-Client-IP: 203.0.113.9\r\n",
+        "X-Cluster-Client-IP: 203.0.113.9\r\n",
         "X-Forwarded-For: 127.0.0.1\r\n",  # still a relayed request: who sent it is unknown
     ]
     for headers in relayed:
