@@ -379,6 +379,20 @@ async def test_a_config_error_never_prints_a_secret(env: dict[str, str]) -> None
     assert "invalid config" in err
 
 
+@pytest.mark.parametrize(
+    "url", ["http://alice:sk-supersecret-1@10.0.0.1:30000", "http://sk-supersecret-1@10.0.0.1:1"]
+)
+async def test_a_backend_url_refused_for_its_credentials_does_not_print_them(
+    tmp_path: Path, url: str
+) -> None:
+    src = tmp_path / "gw.yaml"
+    src.write_text(f"backends: {{static: ['{url}']}}\n")
+    code, out, err = await run_cli("--check-config", "--config", str(src))
+    assert code == 2
+    assert "supersecret" not in out + err, err
+    assert "backends.static[0]" in err and "credentials" in err
+
+
 @pytest.mark.heavy
 async def test_the_mask_check_config_prints_is_refused_as_a_secret(tmp_path: Path) -> None:
     """Saved --check-config output holds "**********" where each secret was: running it

@@ -85,6 +85,9 @@ _SECRET_PATHS: Final = (
 )
 
 
+_USERINFO: Final = re.compile(r"//[^/@]*@")
+
+
 def format_errors(exc: ValidationError) -> str:
     """One line per error: the key's path, the value (a scalar outside the credentials;
     a section's whole content, which can hold them, never) and the reason."""
@@ -98,7 +101,8 @@ def format_errors(exc: ValidationError) -> str:
         elif tuple(loc[:2]) in _SECRET_PATHS or isinstance(value, (dict, list)):
             shown = ""
         else:
-            text = repr(value)
+            # A URL refused for carrying credentials must not print them.
+            text = _USERINFO.sub("//***@", repr(value))
             shown = f"value {text[:77] + '...' if len(text) > 80 else text}: "
         lines.append(f"{_loc(loc)}: {shown}{reason}")
     return "\n".join(lines)
