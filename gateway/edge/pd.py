@@ -560,8 +560,9 @@ async def _streamed(
     side = await p_side
     if side.cause:
         return _prefill_failed(call, pd, prefill, side)
-    found = prefill_logprobs(side.body) if side.body else {}
-    merge = StreamMerge(found)
+    # Only the serialised lists are kept for the stream's length, not the prefill's body.
+    merge = StreamMerge(prefill_logprobs(side.body) if side.body else {})
+    del side
     request, exchange = call.request, call.exchange
     call.proxy.pool.response(decode, d_resp.status)
     d_resp.set_idle_timeout(call.settings.idle_s)

@@ -11,7 +11,9 @@ an event split over chunks or sharing one is merged too. Items of a batch are ma
 their `index`.
 
 The relay stays a relay: a chunk of whole events without the key leaves as it came (the
-same object, no copy); only an event that carries the key is parsed and re-serialised; the
+same object, no copy); only an event that carries the key is parsed and re-serialised, with
+the prefill's list serialised once per item and spliced in as bytes (a 32k-token prompt's
+list would otherwise be built and written again for every token streamed); the
 bytes of an event not yet ended wait for its end (up to TAIL_MAX_BYTES, beyond which the
 rest of the stream is relayed as it comes, unmerged).
 """
@@ -28,7 +30,10 @@ _DATA: Final = b"data:"
 # The most of one unfinished event held for its end; SGLang writes an event in one piece.
 TAIL_MAX_BYTES: Final = 64 << 20
 
+# Each item's list by index, read from the prefill's answer; Serialised, the same as each
+# list's JSON elements without the brackets, ready to splice into an event.
 Logprobs = dict[int, list[Any]]
+Serialised = dict[int, bytes]
 
 
 def _take(found: Logprobs, out: object, default: int) -> None:
@@ -51,7 +56,7 @@ def _payload(event: bytes) -> bytes | None:
     return event[len(_DATA) :].strip()
 
 
-def prefill_logprobs(body: bytes) -> Logprobs:
+def _read(body: bytes) -> Logprobs:
     """Each item's input_token_logprobs in the prefill's answer, by index (0 for a single
     request); the answer may be SSE events or one JSON document (a list for a batch)."""
     found: Logprobs = {}
@@ -75,7 +80,18 @@ def prefill_logprobs(body: bytes) -> Logprobs:
     return found
 
 
-def merge_event(prefill: Logprobs, event: bytes) -> bytes | None:
+def prefill_logprobs(body: bytes) -> Serialised:
+    """The prefill answer's input logprobs (see _read), each serialised once."""
+    serialised: Serialised = {}
+    for index, lp in _read(body).items():
+        try:
+            serialised[index] = orjson.dumps(lp)[1:-1]
+        except orjson.JSONEncodeError:  # an integer beyond 64 bits: that item unmerged
+            continue
+    return serialised
+
+
+def merge_event(prefill: Serialised, event: bytes) -> bytes | None:
     """One decode event (without its blank line) with the prefill's input logprobs in
     front of its own; None where it has none to merge."""
     data = _payload(event)
@@ -94,8 +110,10 @@ def merge_event(prefill: Logprobs, event: bytes) -> bytes | None:
     if not isinstance(own, list) or before is None:
         return None
     assert isinstance(meta, dict)
-    meta["input_token_logprobs"] = before + own
     try:
+        mine = orjson.dumps(own)[1:-1]
+        joined = b"[" + before + (b"," if before and mine else b"") + mine + b"]"
+        meta["input_token_logprobs"] = orjson.Fragment(joined)
         return b"data: " + orjson.dumps(out)
     except orjson.JSONEncodeError:  # an integer beyond 64 bits: the event as it came
         return None
@@ -106,7 +124,7 @@ class StreamMerge:
 
     __slots__ = ("_held", "_held_bytes", "_prefill", "merged", "off")
 
-    def __init__(self, prefill: Logprobs) -> None:
+    def __init__(self, prefill: Serialised) -> None:
         self._prefill = prefill
         self._held: list[bytes] = []
         self._held_bytes = 0
