@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.contract import inspection
+from gateway.contract import inspection, scan
 from gateway.contract.inspection import inspect_body, may_hold_mask_key, may_hold_mask_key_sliced
 from gateway.contract.policy import MASK_MESSAGE, BodyRules, resolve
 from gateway.contract.routes import Kind
@@ -187,7 +187,8 @@ def test_mask_key_scan_of_a_large_body(body: bytes, may_hold: bool) -> None:
         assert not has_key(orjson.loads(body))
 
 
-@settings(max_examples=300, deadline=None)
+@pytest.mark.property
+@settings(max_examples=examples(300), deadline=None)
 @given(json_values, st.integers(0, 3), st.sampled_from([b"", b" ", b"\n  ", b"\t"]))
 def test_the_quote_walk_never_misses_a_key_orjson_would_see(
     value: object, where: int, blank: bytes
@@ -201,3 +202,46 @@ def test_the_quote_walk_never_misses_a_key_orjson_would_see(
         parsed = orjson.loads(body := body.replace(b'"' + blank + b":", b'":'))
     if has_key(parsed):
         assert both_scans(body)
+
+
+def _strings(n: int) -> bytes:
+    """n string values: 2n quotes before whatever follows."""
+    return b", ".join([b'"t"'] * n)
+
+
+# The key's opening quote is the 31st (the walk judges it) or the 33rd (past the walk's 32).
+@pytest.mark.parametrize("before", [14, 15])
+def test_the_key_at_the_edge_of_the_quote_walk(before: int) -> None:
+    """At the walk's last quote the key is judged with its colon; one past it the rest is
+    searched for the name: both must find it, and a value past the edge must not hide it."""
+    key = b'"return_sampling_mask": 1'
+    body = b'{"a": [' + _strings(before) + b"], " + key + b', "x": ' + IDS + b"}"
+    quote = body.count(b'"', 0, body.index(key)) + 1
+    assert quote == 3 + 2 * before
+    assert (quote <= inspection._MAX_QUOTES_WALKED) is (before == 14)
+    assert both_scans(body) is True
+
+
+@pytest.mark.parametrize(("blanks", "may_hold"), [(63, True), (64, True), (65, True)])
+def test_blanks_before_the_colon_at_the_walks_limit(blanks: int, may_hold: bool) -> None:
+    body = b'{"input_ids": ' + IDS + b', "return_sampling_mask"' + b" " * blanks + b": 1}"
+    assert both_scans(body) is may_hold
+    # The same blanks after a value are no key; from the walk's limit on they are not walked
+    # and the body is read instead (a parse decides): never a miss, at worst a parse.
+    value = b'{"text": "return_sampling_mask"' + b" " * blanks + b', "input_ids": ' + IDS + b"}"
+    assert both_scans(value) is (blanks >= inspection._BLANKS_BEFORE_COLON)
+
+
+def test_the_key_across_a_slice_boundary_of_the_sliced_scan() -> None:
+    """Over more than one slice (scan.FIND_SLICE, SUBSTRING_SLICE), a key that starts in one
+    slice and ends in the next is found, past the quote walk's quotes too."""
+    key = b'"return_sampling_mask": 1'
+    for slice_at in (scan.FIND_SLICE, scan.SUBSTRING_SLICE):
+        for into in (1, len(key) // 2, len(key) - 1):
+            head = b'{"texts": [' + _strings(40) + b'], "pad": "'
+            pad = b"p" * (slice_at - into - len(head) - len(b'", '))
+            body = head + pad + b'", ' + key + b"}"
+            start = body.index(key)
+            assert start + into == slice_at, (slice_at, into)
+            assert both_scans(body) is True
+            assert both_scans(body.replace(key, b'"return_sampling_masks": 1')) is False
