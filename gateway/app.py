@@ -372,7 +372,13 @@ class Gateway:
         replica reaches that engine alone."""
         assert self.proxy is not None
         control = self.proxy.control
-        publisher = RidPublisher(control.owners, shared.store, prefix, lambda: shared.lease)
+        publisher = RidPublisher(
+            control.owners,
+            shared.store,
+            prefix,
+            lambda: shared.lease,
+            store_up=lambda: shared.store_up,
+        )
         control.publisher = publisher
         publisher.start()
         return publisher

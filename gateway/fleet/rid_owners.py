@@ -45,6 +45,7 @@ class RidPublisher:
         prefix: str,
         lease: Callable[[], int],
         *,
+        store_up: Callable[[], bool] = lambda: True,
         flush_s: float = FLUSH_S,
         batch: int = BATCH,
         lookup_s: float = LOOKUP_S,
@@ -54,6 +55,7 @@ class RidPublisher:
         self._prefix = (prefix + "rids/").encode()
         self._lease = lease  # the replica's lease now: 0 until granted
         self._written_under = 0  # the lease the written keys live under
+        self._store_up = store_up  # false while the replica knows etcd is away
         self.flush_s = flush_s
         self.batch = batch
         self.lookup_s = lookup_s
@@ -123,6 +125,10 @@ class RidPublisher:
         if local is not None:
             self.lookups["local"] += 1
             return local
+        if not self._store_up():
+            # Known away: the abort goes to every engine now, not after LOOKUP_S.
+            self.lookups["failed"] += 1
+            return None
         try:
             async with asyncio.timeout(self.lookup_s):
                 kv, _ = await self.store.get(self.key(rid))

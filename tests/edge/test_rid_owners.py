@@ -188,3 +188,21 @@ async def test_an_owner_lookup_with_etcd_away_answers_unknown() -> None:
         assert publisher.lookups["local"] == 1
     finally:
         await client.close()
+
+
+async def test_an_owner_lookup_while_etcd_is_known_away_asks_nothing(
+    etcd: EtcdServer,  # noqa: F811
+) -> None:
+    """While the replica knows etcd is away, an abort goes to every engine at once instead of
+    waiting out the lookup's bound for each rid."""
+    client = EtcdClient([etcd.url], timeout_s=1)
+    up = False
+    publisher = RidPublisher(RidOwners(), client, PREFIX, lambda: 0, store_up=lambda: up)
+    try:
+        await etcd.call("/v3/kv/put", {"key": b64(f"{PREFIX}rids/r".encode()), "value": b64(b"u")})
+        assert await publisher.lookup("r") is None  # etcd holds it, but is not asked
+        assert publisher.lookups["failed"] == 1
+        up = True
+        assert await publisher.lookup("r") == "u"
+    finally:
+        await client.close()

@@ -3,8 +3,8 @@
 What one replica is told (registration, pause, weights) every replica routes by when the
 call returns; two replicas never interleave fleet-changing calls; etcd lost while they
 run leaves generation served and fleet changes refused (503), and they catch up when it
-returns. The propagation time, a registration through one replica until another lists
-it, is printed (run with -s) and held under 1 s."""
+returns. The propagation times (a registration, a pause, a weight version through one
+replica until the others show it) are printed (run with -s) for docs/fleet-state.md."""
 
 from __future__ import annotations
 
@@ -546,7 +546,7 @@ async def test_a_replica_killed_mid_fan_out_leaves_the_lock_to_its_lease(
 async def _until_listed(replica: Replica, seen: Any) -> float:
     """Seconds until `seen(workers)` holds on `replica` (polled every 2 ms)."""
     t0 = time.perf_counter()
-    async with asyncio.timeout(5):
+    async with asyncio.timeout(30):  # bounds the wait only: the figure is what is measured
         while True:
             status, listed = await replica.call("GET", "/workers")
             if status == 200 and seen(listed["workers"]):
