@@ -341,16 +341,10 @@ class BackendsConfig(_Model):
         name = data.get("balancer")
         if not isinstance(name, str):
             return data
-        if name in SMG_UNSUPPORTED:
-            raise ValueError(
-                f"balancer {name!r} (sglang-router's --policy {name}) has no equivalent in "
-                f"the gateway: {SMG_UNSUPPORTED[name]}"
-            )
-        if name in SMG_POLICIES and name not in BALANCER_NAMES:
-            balancer, header = SMG_POLICIES[name]
-            data = {**data, "balancer": balancer}
-            if header is not None and "hash_header" not in data:
-                data["hash_header"] = header
+        data = {**data, "balancer": _smg_balancer("balancer", name)}
+        header = SMG_POLICIES[name][1] if name in SMG_POLICIES else None
+        if name not in BALANCER_NAMES and header is not None and "hash_header" not in data:
+            data["hash_header"] = header
         return data
 
     @model_validator(mode="after")

@@ -203,10 +203,7 @@ class EtcdClient:
         return [_kv(kv) for kv in answer.get("kvs") or []], _revision(answer)
 
     async def put(self, key: bytes, value: bytes, *, lease: int = 0) -> int:
-        body: dict[str, Any] = {"key": b64(key), "value": b64(value)}
-        if lease:
-            body["lease"] = str(lease)
-        return _revision(await self.post("/v3/kv/put", body))
+        return _revision(await self.post("/v3/kv/put", _put(key, value, lease)))
 
     async def delete(self, key: bytes) -> int:
         return _revision(await self.post("/v3/kv/deleterange", {"key": b64(key)}))
@@ -218,16 +215,13 @@ class EtcdClient:
         the new revision, or None when another writer came first."""
         target = "MOD" if mod_revision else "CREATE"
         field = "mod_revision" if mod_revision else "create_revision"
-        put: dict[str, Any] = {"key": b64(key), "value": b64(value)}
-        if lease:
-            put["lease"] = str(lease)
         answer = await self.post(
             "/v3/kv/txn",
             {
                 "compare": [
                     {"key": b64(key), "target": target, "result": "EQUAL", field: str(mod_revision)}
                 ],
-                "success": [{"request_put": put}],
+                "success": [{"request_put": _put(key, value, lease)}],
             },
         )
         return _revision(answer) if answer.get("succeeded") else None
@@ -254,12 +248,7 @@ class EtcdClient:
         self, puts: list[tuple[bytes, bytes]], deletes: list[bytes], *, lease: int = 0
     ) -> int:
         """Put and delete keys in one transaction (no compare: it always applies)."""
-        ops: list[dict[str, Any]] = []
-        for key, value in puts:
-            put: dict[str, Any] = {"key": b64(key), "value": b64(value)}
-            if lease:
-                put["lease"] = str(lease)
-            ops.append({"request_put": put})
+        ops = [{"request_put": _put(key, value, lease)} for key, value in puts]
         ops.extend({"request_delete_range": {"key": b64(key)}} for key in deletes)
         return _revision(await self.post("/v3/kv/txn", {"compare": [], "success": ops}))
 
@@ -375,3 +364,11 @@ def client_for(cfg: EtcdConfig) -> EtcdClient:
         ca_file=cfg.ca_file,
         timeout_s=cfg.timeout_s,
     )
+
+
+def _put(key: bytes, value: bytes, lease: int) -> dict[str, Any]:
+    """A put request's fields, as /v3/kv/put and a transaction's request_put take them."""
+    put: dict[str, Any] = {"key": b64(key), "value": b64(value)}
+    if lease:
+        put["lease"] = str(lease)
+    return put

@@ -1338,8 +1338,8 @@ MUTATIONS = [
     (
         "consistent_hashing keeps the default hash header",
         "gateway/config/models.py",
-        '            if header is not None and "hash_header" not in data:',
-        "            if False:",
+        '        if name not in BALANCER_NAMES and header is not None and "hash_header" not in data:',
+        "        if False:",
         [
             "tests/fleet/test_balancers.py::test_sglang_router_policy_names_are_taken_as_the_closest_balancer",
             "tests/edge/test_smg_surfaces.py::test_consistent_hashing_routes_by_the_smg_routing_key",
@@ -1348,8 +1348,8 @@ MUTATIONS = [
     (
         "cache_aware taken as least_inflight",
         "gateway/config/models.py",
-        "        if name in SMG_UNSUPPORTED:\n            raise ValueError(",
-        '        if name in SMG_UNSUPPORTED:\n            return {**data, "balancer": "least_inflight"}\n            raise ValueError(',
+        "    if name in SMG_UNSUPPORTED:\n        raise ValueError(",
+        '    if name in SMG_UNSUPPORTED:\n        return "least_inflight"\n        raise ValueError(',
         [
             "tests/fleet/test_balancers.py::test_an_smg_policy_with_no_equivalent_is_refused_saying_so"
         ],
