@@ -261,7 +261,18 @@ def inspect_body(
         if found is not None:
             rids += found
             return None
-    parsed = parse_object(body, kind)
+    return judge(kind, parse_object(body, kind), rules, rids, adapters)
+
+
+def judge(
+    kind: Kind,
+    parsed: dict[str, Any] | Rejection,
+    rules: BodyRules,
+    rids: list[str] | None,
+    adapters: list[str] | None,
+) -> Verdict:
+    """The verdict on a body read once (inspect_body, inspect_large), its rids and adapters
+    noted where asked for."""
     if isinstance(parsed, Rejection):
         return parsed
     if rids is not None:

@@ -13,9 +13,10 @@ from __future__ import annotations
 from typing import Final
 
 from gateway.contract import scan
-from gateway.contract.adapters import LORA_KEY, requested_adapters
+from gateway.contract.adapters import LORA_KEY
 from gateway.contract.inspection import (
     ORJSON_SENSITIVE,
+    judge,
     may_hold_mask_key_sliced,
     parse_object,
 )
@@ -25,7 +26,6 @@ from gateway.contract.policy import (
     BodyRules,
     Rejection,
     Verdict,
-    request_ids,
 )
 from gateway.contract.rids import top_level_rids_sliced
 from gateway.contract.routes import Kind
@@ -84,13 +84,6 @@ async def inspect_large(
     if not granted:
         return Rejection(503, "request_body", "inspection_busy", INSPECTION_BUSY)
     try:
-        parsed = parse_object(body, kind, skimmed)
-        if isinstance(parsed, Rejection):
-            return parsed
-        if rids is not None:
-            rids += request_ids(parsed)
-        if adapters is not None:
-            adapters += requested_adapters(kind, parsed)
-        return rules.assess(kind, parsed)
+        return judge(kind, parse_object(body, kind, skimmed), rules, rids, adapters)
     finally:
         budget.release(cost)
