@@ -28,6 +28,7 @@ from typing import Any
 from bench import bodies, common, report, servers
 from bench.procs import (
     Proc,
+    gateway_build,
     gateway_supports_workers,
     http_get,
     http_post,
@@ -752,6 +753,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "versions": {
                 "gateway_commit": _git_rev(),
+                "gateway_build": gateway_build(),
                 "nginx": nginx_version() if run.have_nginx else None,
                 "wrk": wrk_version() if run.have_wrk else None,
                 "sglang_router": router_version() if run.have_router else None,

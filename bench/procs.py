@@ -157,6 +157,18 @@ def gateway_argv() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "gateway"]
 
 
+def gateway_build() -> str:
+    """ "compiled" or "pure", as the gateway's own --version says; "unknown" if it says neither."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(
+            [*gateway_argv(), "--version"], capture_output=True, text=True, check=False, timeout=30
+        )
+        for build in ("compiled", "pure"):
+            if f"{build} build" in out.stdout:
+                return build
+    return "unknown"
+
+
 def gateway_supports_workers() -> bool:
     out = subprocess.run(
         [*gateway_argv(), "--help"], capture_output=True, text=True, check=False, timeout=30

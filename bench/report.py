@@ -366,7 +366,8 @@ def markdown(results: Json) -> str:
         f"{meta['rounds']} interleaved round(s) of {meta['duration_s']} s per target; "
         f"medians. Upstream: {meta.get('upstream', '?')}.",
         "",
-        f"Versions: gateway {v['gateway_commit']} (aiohttp {v['aiohttp']}, orjson "
+        f"Versions: gateway {v['gateway_commit']} ({v.get('gateway_build', 'unknown')} build, "
+        f"aiohttp {v['aiohttp']}, orjson "
         f"{v['orjson']}, uvloop {v['uvloop']}, {meta['gateway_workers']} worker(s)"
         f"{', skip_parse_without_mask_key' if meta.get('gateway_skip_parse') else ''}), nginx "
         f"{v['nginx'] or 'absent'} (client_body_buffer_size "
