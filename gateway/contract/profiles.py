@@ -67,15 +67,15 @@ class MaskItem:
 class MaskProfile:
     """One backend's admission of mask items."""
 
-    family: MaskRule
+    rule: MaskRule
     cap: int | None = None  # CAPPED and STRICT: the largest top_k admitted
     speculative: bool = False
     ascend: bool = False
 
     @property
     def name(self) -> str:
-        """A short fixed label (metrics, logs, /workers): family, cap, and settings."""
-        name = self.family.value
+        """A short fixed label (metrics, logs, /workers): rule, cap, and settings."""
+        name = self.rule.value
         if self.cap is not None:
             name += f":{self.cap}"
         if self.speculative:
@@ -89,7 +89,7 @@ class MaskProfile:
         The top_k rule comes first, then the settings, as SGLang checks them."""
         k = item.top_k
         cap = self.cap if self.cap is not None else DEFAULT_CAP
-        match self.family:
+        match self.rule:
             case MaskRule.FINITE_TOP_K:
                 if item.unbounded:
                     return "unbounded_top_k", FINITE_TOP_K_MESSAGE
@@ -115,7 +115,7 @@ class MaskProfile:
     def reasons(self) -> tuple[str, ...]:
         """Every reason `refusal` can give (their metric series exist at 0 before the first
         refusal), in the order it checks them."""
-        match self.family:
+        match self.rule:
             case MaskRule.FINITE_TOP_K:
                 top_k: tuple[str, ...] = ("unbounded_top_k",)
             case MaskRule.TOP_P_OR_TOP_K:
@@ -131,8 +131,8 @@ class MaskProfile:
         on top_k the client can meet beats a setting it cannot change, a larger cap beats a
         smaller one, and a known release's own words beat the strict profile's."""
         setting = self.speculative or self.ascend
-        cap = TOP_K_ALL if self.family in (MaskRule.FINITE_TOP_K, MaskRule.TOP_P_OR_TOP_K) else 0
-        known = self.family is not MaskRule.STRICT
+        cap = TOP_K_ALL if self.rule in (MaskRule.FINITE_TOP_K, MaskRule.TOP_P_OR_TOP_K) else 0
+        known = self.rule is not MaskRule.STRICT
         return (0 if setting else 1, self.cap if self.cap is not None else cap, int(known))
 
 
@@ -179,8 +179,8 @@ def release(version: str | None) -> tuple[int, int, int] | None:
     return (int(m[1]), int(m[2]), int(m[3])) if m else None
 
 
-def family_of(version: str | None) -> MaskRule:
-    """The admission family of a release; STRICT for one whose rule the gateway does not
+def rule_of(version: str | None) -> MaskRule:
+    """The admission rule of a release; STRICT for one whose rule the gateway does not
     know (before the mask existed, after the newest release read, or unreadable)."""
     r = release(version)
     if r is None or r < (0, 5, 16) or r > NEWEST_KNOWN:
@@ -197,14 +197,14 @@ def profile_of(info: ServerInfo | None, *, strict_cap: int = DEFAULT_CAP) -> Mas
     nothing. `strict_cap`: the smallest cap in the fleet, which an unknown backend gets."""
     if info is None:
         return MaskProfile(MaskRule.STRICT, strict_cap)
-    family = family_of(info.version)
+    rule = rule_of(info.version)
     cap: int | None = None
-    if family is MaskRule.CAPPED:
+    if rule is MaskRule.CAPPED:
         cap = info.sampling_mask_max_tokens or DEFAULT_CAP
-    elif family is MaskRule.STRICT:
+    elif rule is MaskRule.STRICT:
         cap = min(strict_cap, info.sampling_mask_max_tokens or strict_cap)
     return MaskProfile(
-        family,
+        rule,
         cap,
         speculative=info.speculative_algorithm is not None,
         ascend=info.sampling_backend == "ascend",
@@ -213,10 +213,10 @@ def profile_of(info: ServerInfo | None, *, strict_cap: int = DEFAULT_CAP) -> Mas
 
 def pinned(version: str, cap: int = DEFAULT_CAP) -> MaskProfile:
     """The profile `policy.sampling_mask.profile: "<release>"` pins every backend to."""
-    family = family_of(version)
-    if family is MaskRule.STRICT:
+    rule = rule_of(version)
+    if rule is MaskRule.STRICT:
         raise ValueError(
             f"unknown SGLang release {version!r}: pin one from 0.5.16 to "
             f"{'.'.join(map(str, NEWEST_KNOWN))}, or use auto"
         )
-    return MaskProfile(family, cap if family is MaskRule.CAPPED else None)
+    return MaskProfile(rule, cap if rule is MaskRule.CAPPED else None)

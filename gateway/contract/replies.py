@@ -1,4 +1,4 @@
-"""Bodies of the replies the gateway makes itself, in SGLang's shape for each route family.
+"""Bodies of the replies the gateway makes itself, in the error shape SGLang gives each route.
 
 Clients of SGLang parse its error bodies (the openai SDK reads `message` from the OpenAI
 shape; RL workers read `error.message` from /generate), so a reply from the gateway must
@@ -35,11 +35,11 @@ _OPENAI_TYPES: Final = {
 }
 
 
-def render(family: ErrorShape, status: int, message: str, error_type: str | None = None) -> bytes:
+def render(shape: ErrorShape, status: int, message: str, error_type: str | None = None) -> bytes:
     """The JSON body of a gateway-made reply."""
-    if family is ErrorShape.GENERATE:
+    if shape is ErrorShape.GENERATE:
         return orjson.dumps({"error": {"message": message}})
-    if family is ErrorShape.OPENAI:
+    if shape is ErrorShape.OPENAI:
         return orjson.dumps(
             {
                 "object": "error",
@@ -52,11 +52,11 @@ def render(family: ErrorShape, status: int, message: str, error_type: str | None
     return orjson.dumps({"detail": message})
 
 
-def render_rejection(family: ErrorShape, rejection: Rejection) -> bytes:
+def render_rejection(shape: ErrorShape, rejection: Rejection) -> bytes:
     if rejection.validation:
         # SGLang's validation handler answers in the OpenAI shape on every route.
         return render(ErrorShape.OPENAI, rejection.status, rejection.message, BAD_REQUEST)
-    return render(family, rejection.status, rejection.message)
+    return render(shape, rejection.status, rejection.message)
 
 
 NOT_FOUND: Final = orjson.dumps({"detail": "Not Found"})

@@ -38,7 +38,7 @@ class ErrorShape(enum.Enum):
     PLAIN = "plain"  # FastAPI's {"detail": ...}
 
 
-_FAMILY = {
+_SHAPE = {
     Kind.GENERATE: ErrorShape.GENERATE,
     Kind.VERTEX: ErrorShape.GENERATE,
     Kind.CHAT: ErrorShape.OPENAI,
@@ -53,7 +53,7 @@ class Route:
     path: str  # canonical (decoded, no trailing slash) path
     kind: Kind
     methods: frozenset[str]
-    family: ErrorShape
+    shape: ErrorShape
 
     @property
     def inspected(self) -> bool:
@@ -190,9 +190,9 @@ class RouteTable:
     ) -> None:
         by_path: dict[str, Route] = {}
         for path, (kind, methods) in GENERATION_ROUTES.items():
-            by_path[path] = Route(path, kind, methods, _FAMILY[kind])
+            by_path[path] = Route(path, kind, methods, _SHAPE[kind])
         by_path[vertex_path] = Route(
-            vertex_path, Kind.VERTEX, frozenset({"POST"}), _FAMILY[Kind.VERTEX]
+            vertex_path, Kind.VERTEX, frozenset({"POST"}), _SHAPE[Kind.VERTEX]
         )
         for path, methods in OPERATIONAL_ROUTES.items():
             by_path[path] = Route(path, Kind.PASSTHROUGH, methods, ErrorShape.PLAIN)

@@ -344,7 +344,7 @@ def _no_worker(call: Call, pd: PdRouting, role: str, tried: list[Backend]) -> Re
         return call.unavailable(Outcome.NO_CAPACITY)
     status = 503
     message = f"No {role} worker is available (backends.mode: pd pairs one of each); retry later."
-    resp = call.reply(status, replies.render(call.family, status, message), Outcome.NO_BACKEND)
+    resp = call.reply(status, replies.render(call.shape, status, message), Outcome.NO_BACKEND)
     resp.headers.append(("Retry-After", "1"))
     return resp
 
@@ -499,7 +499,7 @@ def _prefill_failed(call: Call, pd: PdRouting, prefill: Backend, side: _Side) ->
     body = side.error_body
     if not body:
         message = "The prefill worker failed to answer the request."
-        body = replies.render(call.family, side.status, message)
+        body = replies.render(call.shape, side.status, message)
     reply = call.reply(side.status, body, Outcome.UPSTREAM_ERROR)
     reply.content_type = content_type
     return reply

@@ -203,7 +203,7 @@ class Proxy:
             exchange.detail = type(exc).__name__
             if request.started:
                 raise  # a reply is already under way: the connection is dropped
-            body = replies.render(call.family, 500, "The gateway failed to handle the request.")
+            body = replies.render(call.shape, 500, "The gateway failed to handle the request.")
             return call.reply(500, body, Outcome.GATEWAY_ERROR, close=True)
         finally:
             self.inflight -= 1
@@ -260,10 +260,10 @@ class Call:
         return route is not None and route.inspected
 
     @property
-    def family(self) -> ErrorShape:
+    def shape(self) -> ErrorShape:
         """The shape of the route's error bodies."""
         route = self.route
-        return route.family if route is not None else ErrorShape.PLAIN
+        return route.shape if route is not None else ErrorShape.PLAIN
 
     async def run(self) -> Reply | None:
         """The steps in order: the gateway's reply, or None once the backend's was relayed."""
@@ -633,7 +633,7 @@ class Call:
 
     def reject(self, rejection: Rejection, *, close: bool = False) -> Reply:
         """The refusal in the route's error shape."""
-        body = replies.render_rejection(self.family, rejection)
+        body = replies.render_rejection(self.shape, rejection)
         exchange = self.exchange
         exchange.reason = rejection.reason
         if rejection.detail:
@@ -661,7 +661,7 @@ class Call:
         if (disaggregated := only_disaggregated(pool)) is not None:
             return self.reject(disaggregated)
         if needs is not None and needs.adapters:
-            body = replies.render(self.family, 503, unavailable_message(needs.adapters))
+            body = replies.render(self.shape, 503, unavailable_message(needs.adapters))
             resp = self.reply(503, body, Outcome.NO_BACKEND)
             resp.headers.append(("Retry-After", "1"))
             return resp
@@ -676,7 +676,7 @@ class Call:
             message = "The gateway is out of resources for new upstream connections; retry later."
         else:
             message = "No healthy backend is available; retry later."
-        resp = self.reply(status, replies.render(self.family, status, message), outcome)
+        resp = self.reply(status, replies.render(self.shape, status, message), outcome)
         resp.headers.append(("Retry-After", "1"))
         return resp
 
@@ -705,7 +705,7 @@ class Call:
         which = f" {holders(needs.adapters)}" if needs is not None and needs.adapters else ""
         message = f"Every backend that could serve this request{which} {why}; retry later."
         self.exchange.detail = reason
-        resp = self.reply(503, replies.render(self.family, 503, message), Outcome.PAUSED)
+        resp = self.reply(503, replies.render(self.shape, 503, message), Outcome.PAUSED)
         resp.headers.append(("Retry-After", "1"))
         return resp
 
@@ -725,7 +725,7 @@ class Call:
             if status == 504
             else "The backend failed to answer the request."
         )
-        return self.reply(status, replies.render(self.family, status, message), outcome)
+        return self.reply(status, replies.render(self.shape, status, message), outcome)
 
 
 def _describe_client(request: Request, path: str, exchange: Exchange) -> None:

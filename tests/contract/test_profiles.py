@@ -16,9 +16,9 @@ from gateway.contract.profiles import (
     MaskProfile,
     MaskRule,
     ServerInfo,
-    family_of,
     pinned,
     profile_of,
+    rule_of,
 )
 from gateway.contract.routes import Kind
 
@@ -132,7 +132,7 @@ def test_the_0_5_20_message_is_sglangs() -> None:
 
 
 @pytest.mark.parametrize(
-    ("version", "family"),
+    ("version", "rule"),
     [
         ("0.5.15", MaskRule.STRICT),
         ("0.5.16", MaskRule.FINITE_TOP_K),
@@ -148,8 +148,8 @@ def test_the_0_5_20_message_is_sglangs() -> None:
         ("main", MaskRule.STRICT),
     ],
 )
-def test_release_families(version: str | None, family: MaskRule) -> None:
-    assert family_of(version) is family
+def test_release_rules(version: str | None, rule: MaskRule) -> None:
+    assert rule_of(version) is rule
 
 
 def test_profiles_from_server_info() -> None:

@@ -1,4 +1,4 @@
-"""Truth tables: the body of a gateway-made reply, per route family and status."""
+"""Truth tables: the body of a gateway-made reply, per route shape and status."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from gateway.contract.routes import ErrorShape
 
 
 @pytest.mark.parametrize(
-    ("family", "status", "expected"),
+    ("shape", "status", "expected"),
     [
         (ErrorShape.GENERATE, 400, {"error": {"message": "m"}}),
         (ErrorShape.GENERATE, 503, {"error": {"message": "m"}}),
@@ -27,18 +27,18 @@ from gateway.contract.routes import ErrorShape
         (ErrorShape.PLAIN, 500, {"detail": "m"}),
     ],
 )  # fmt: skip
-def test_render(family: ErrorShape, status: int, expected: dict) -> None:
-    assert orjson.loads(render(family, status, "m")) == expected
+def test_render(shape: ErrorShape, status: int, expected: dict) -> None:
+    assert orjson.loads(render(shape, status, "m")) == expected
 
 
-@pytest.mark.parametrize("family", list(ErrorShape))
-def test_validation_rejections_use_the_openai_shape_on_every_route(family: ErrorShape) -> None:
+@pytest.mark.parametrize("shape", list(ErrorShape))
+def test_validation_rejections_use_the_openai_shape_on_every_route(shape: ErrorShape) -> None:
     rule = Rejection(400, "sampling_mask", "unbounded_top_k", "rule says no")
     invalid = Rejection(400, "request_body", "invalid_json", "bad json", validation=True)
-    assert orjson.loads(render_rejection(family, rule)) == orjson.loads(
-        render(family, 400, "rule says no")
+    assert orjson.loads(render_rejection(shape, rule)) == orjson.loads(
+        render(shape, 400, "rule says no")
     )
-    body = orjson.loads(render_rejection(family, invalid))
+    body = orjson.loads(render_rejection(shape, invalid))
     assert body == {
         "object": "error",
         "message": "bad json",

@@ -49,7 +49,7 @@ def test_generation_routes_are_inspected(raw: str, canonical: str, kind: Kind) -
     assert route.kind is kind
     assert route.path == canonical
     assert route.inspected
-    assert route.family is FAMILIES[kind]
+    assert route.shape is FAMILIES[kind]
     assert "POST" in route.methods
 
 
@@ -90,7 +90,7 @@ def test_operational_routes_pass_through(path: str) -> None:
     assert route.kind is Kind.PASSTHROUGH
     assert route.path == path.rstrip("/")
     assert not route.inspected
-    assert route.family is ErrorShape.PLAIN
+    assert route.shape is ErrorShape.PLAIN
 
 
 @pytest.mark.parametrize("path", CONTROL)
@@ -151,7 +151,7 @@ def test_custom_vertex_path() -> None:
     for raw in ("/predict", "/predict/", "/%70redict"):
         route = table.match(raw)
         assert route is not None, raw
-        assert (route.kind, route.path, route.family) == (
+        assert (route.kind, route.path, route.shape) == (
             Kind.VERTEX,
             "/predict",
             ErrorShape.GENERATE,

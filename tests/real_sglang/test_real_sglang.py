@@ -149,7 +149,7 @@ def test_the_gateway_admits_exactly_what_the_release_serves(
             counts["served with a mask"] += bool(masks)
             # 0.5.18 runs top-p-only masks by design (its rule reads top_p): only a cap or,
             # for the other releases, an unbounded top_k makes a mask too wide.
-            unbounded_ok = profile.family is MaskRule.TOP_P_OR_TOP_K
+            unbounded_ok = profile.rule is MaskRule.TOP_P_OR_TOP_K
             too_wide = [
                 k
                 for k in masks
