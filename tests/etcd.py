@@ -2,7 +2,11 @@
 directory, stopped (and restartable, for the fault tests) by the test that started it.
 
 Without the binary a test that needs it skips locally and fails under CI (.ci/run installs
-etcd-server as it installs Prometheus)."""
+etcd-server as it installs Prometheus).
+
+With `tls` (a Pki: a CA and the certificates it signed, made by the openssl CLI) the member
+serves its clients over https only and asks each for a client certificate its CA signed
+(--client-cert-auth, as kubeadm runs etcd); its peer URL stays plain http (one member)."""
 
 from __future__ import annotations
 
@@ -11,7 +15,10 @@ import base64
 import os
 import shutil
 import signal
+import ssl
+import subprocess
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,20 +37,110 @@ def etcd_binary() -> str:
     return path
 
 
+def openssl_binary() -> str:
+    path = shutil.which("openssl")
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("openssl is not installed; CI must run the etcd TLS tests")
+        pytest.skip("openssl is not installed here")
+    return path
+
+
+@dataclass(frozen=True)
+class Pki:
+    """A CA and the PEM files it signed: etcd's server certificate for 127.0.0.1, a client's."""
+
+    ca: Path
+    ca_key: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+
+def _openssl(*args: str | Path) -> None:
+    subprocess.run([openssl_binary(), *map(str, args)], check=True, capture_output=True, timeout=30)
+
+
+def _key(path: Path) -> Path:
+    # P-256: generated in milliseconds, where an RSA key takes a noticeable share of a second.
+    _openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", path)
+    return path
+
+
+def _signed(pki_dir: Path, name: str, ca: Path, ca_key: Path, extensions: str) -> Path:
+    key = _key(pki_dir / f"{name}.key")
+    csr, ext, cert = (pki_dir / f"{name}.{suffix}" for suffix in ("csr", "ext", "crt"))
+    _openssl("req", "-new", "-key", key, "-subj", f"/CN={name}", "-out", csr)
+    # The key identifiers and key usage a strict verifier (Python 3.13's default) wants.
+    ext.write_text(
+        "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\n"
+        "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n" + extensions
+    )
+    _openssl(
+        "x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial",
+        "-days", "2", "-extfile", ext, "-out", cert,
+    )  # fmt: skip
+    return cert
+
+
+def make_pki(pki_dir: Path) -> Pki:
+    """A fresh CA in `pki_dir`, with a server and a client certificate signed by it."""
+    pki_dir.mkdir(parents=True, exist_ok=True)
+    ca_key = _key(pki_dir / "ca.key")
+    ca = pki_dir / "ca.crt"
+    _openssl(
+        "req", "-x509", "-new", "-key", ca_key, "-subj", f"/CN={pki_dir.name}-ca",
+        "-days", "2", "-out", ca,
+        "-addext", "basicConstraints=critical,CA:TRUE",
+        "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+    )  # fmt: skip
+    # clientAuth too: with --client-cert-auth, etcd's JSON gateway dials its own gRPC
+    # server with the server certificate, which etcd then checks as a client's.
+    server_cert = _signed(
+        pki_dir, "server", ca, ca_key,
+        "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n",
+    )  # fmt: skip
+    client_cert = _signed(pki_dir, "client", ca, ca_key, "extendedKeyUsage=clientAuth\n")
+    return Pki(ca, ca_key, server_cert, pki_dir / "server.key", client_cert, pki_dir / "client.key")
+
+
+def client_ssl(pki: Pki) -> ssl.SSLContext:
+    """What a client that etcd accepts (the Pki's CA and client certificate) connects with."""
+    context = ssl.create_default_context(cafile=pki.ca)
+    context.load_cert_chain(pki.client_cert, pki.client_key)
+    return context
+
+
 class EtcdServer:
     """One single-member etcd; `stop` and `start` again keep its data (a restart)."""
 
-    def __init__(self, binary: str, data_dir: Path) -> None:
+    def __init__(self, binary: str, data_dir: Path, tls: Pki | None = None) -> None:
         self.binary = binary
         self.data_dir = data_dir
+        self.tls = tls
         self.client_port = free_port()
         self.peer_port = free_port()
-        self.url = f"http://127.0.0.1:{self.client_port}"
+        scheme = "https" if tls is not None else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.client_port}"
+        # This helper's own requests: as a client etcd accepts.
+        self._ssl: ssl.SSLContext | bool = client_ssl(tls) if tls is not None else True
         self.proc: asyncio.subprocess.Process | None = None
         self.log = data_dir.parent / "etcd.log"
 
     async def start(self) -> None:
         peer = f"http://127.0.0.1:{self.peer_port}"
+        tls = self.tls
+        secured = (
+            [
+                f"--cert-file={tls.server_cert}",
+                f"--key-file={tls.server_key}",
+                f"--trusted-ca-file={tls.ca}",
+                "--client-cert-auth",
+            ]
+            if tls is not None
+            else []
+        )
         with self.log.open("ab") as out:
             self.proc = await asyncio.create_subprocess_exec(
                 self.binary,
@@ -58,6 +155,7 @@ class EtcdServer:
                 # Quick elections: a restarted single member leads within a second.
                 "--heartbeat-interval=50",
                 "--election-timeout=500",
+                *secured,
                 stdout=out,
                 stderr=out,
             )
@@ -65,7 +163,7 @@ class EtcdServer:
             while True:
                 assert self.proc.returncode is None, self.log.read_text()[-2000:]
                 try:
-                    async with s.get(self.url + "/health") as r:
+                    async with s.get(self.url + "/health", ssl=self._ssl) as r:
                         if (
                             r.status == 200
                             and (await r.json(content_type=None)).get("health") == "true"
@@ -86,7 +184,10 @@ class EtcdServer:
                 await proc.wait()
 
     async def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        async with aiohttp.ClientSession() as s, s.post(self.url + path, json=body) as r:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(self.url + path, json=body, ssl=self._ssl) as r,
+        ):
             data: dict[str, Any] = await r.json(content_type=None)
             assert r.status == 200, data
             return data

@@ -182,6 +182,11 @@ def test_example_configs_name_the_namespace_the_manifests_use() -> None:
             r"state\.etcd: username and a password",
         ),
         (
+            "backends: {static: [http://a:1]}\n"
+            "state: {backend: etcd, etcd: {endpoints: ['https://e:1'], cert_file: /c.pem}}\n",
+            r"state\.etcd: cert_file and key_file go together",
+        ),
+        (
             "backends: {static: [http://a:1]}\nstate: {etcd: {endpoints: ['http://e:1']}}\n",
             r"state: .*backend is local",
         ),

@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from gateway.config.tls import client_context
 from gateway.contract.lax import TOP_K_ALL
 from gateway.contract.profiles import MaskProfile, pinned
 from gateway.contract.routes import GENERATION_ROUTES, canonical_path
@@ -716,6 +717,11 @@ class EtcdConfig(_Model):
     password_file: str | None = None
     # https endpoints: the CA that signed etcd's certificate (the system's CAs otherwise).
     ca_file: str | None = None
+    # The client certificate (PEM) the gateway shows etcd, for a cluster that asks for one
+    # (etcd's --client-cert-auth, as kubeadm sets it up); with key_file.
+    cert_file: str | None = None
+    # cert_file's private key (PEM, no passphrase); its path is printed, never what it holds.
+    key_file: str | None = None
     # One call's deadline.
     timeout_s: Annotated[float, Field(gt=0, le=60)] = 2.0
     # What a replica holds (its acknowledgement, the control lock) outlives it by this much.
@@ -731,10 +737,16 @@ class EtcdConfig(_Model):
             self.username is not None
         ):
             raise ValueError("username and a password (or password_file) go together")
-        for name in ("password_file", "ca_file"):
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together (the client certificate, its key)")
+        for name in ("password_file", "ca_file", "cert_file", "key_file"):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{name} {path!r} is not a readable file")
+        if self.ca_file is not None or self.cert_file is not None:
+            # What the client will load, loaded once now: a key that is not the
+            # certificate's is a config error, not a failure at the first connection.
+            client_context(self.ca_file, self.cert_file, self.key_file)
         return self
 
 

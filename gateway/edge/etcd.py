@@ -8,7 +8,10 @@ Every call has a deadline. A call that cannot reach an endpoint tries the next o
 (a cluster's members all serve the same data) and fails with EtcdUnavailable naming every
 endpoint tried; an answer etcd refuses is an EtcdError naming the endpoint and etcd's own
 message. Credentials (user/password, the auth token they buy) go in request bodies and an
-Authorization header only, never into an error or a log line.
+Authorization header only, never into an error or a log line. https endpoints are verified
+against ca_file (or the system's CAs); a client certificate and key (cert_file, key_file)
+answer a cluster that asks for one (mutual TLS), and a handshake etcd or the gateway
+refuses is named as such in the error, never by what a key file holds.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import aiohttp
 import orjson
 
 from gateway.config import EtcdConfig
+from gateway.config.tls import client_context
 from gateway.fleet.kv import Compacted, EtcdError, EtcdUnavailable, Event, KeyValue, range_end
 
 # A watch event or a range answer holds whole values (etcd's default request limit is
@@ -66,11 +70,14 @@ def _message(data: bytes) -> tuple[str, int | None]:
     return str(text)[:300], code if isinstance(code, int) else None
 
 
-def make_ssl(ca_file: str | None) -> ssl.SSLContext | None:
-    """The TLS context for https endpoints: the system's CAs, or `ca_file`'s alone."""
-    if ca_file is None:
+def make_ssl(
+    ca_file: str | None, cert_file: str | None = None, key_file: str | None = None
+) -> ssl.SSLContext | None:
+    """The TLS context for https endpoints: the system's CAs, or `ca_file`'s alone, with
+    the client certificate when given. ValueError naming the file that cannot be used."""
+    if ca_file is None and cert_file is None and key_file is None:
         return None
-    return ssl.create_default_context(cafile=ca_file)
+    return client_context(ca_file, cert_file, key_file, where="state.etcd.")
 
 
 class EtcdClient:
@@ -83,13 +90,15 @@ class EtcdClient:
         username: str | None = None,
         password: str | None = None,
         ca_file: str | None = None,
+        cert_file: str | None = None,
+        key_file: str | None = None,
         timeout_s: float = 2.0,
     ) -> None:
         if not endpoints:
             raise ValueError("etcd needs at least one endpoint")
         self.endpoints = tuple(endpoints)
         self._credentials = (username, password or "") if username is not None else None
-        self._ssl = make_ssl(ca_file)
+        self._ssl = make_ssl(ca_file, cert_file, key_file)
         self.timeout_s = timeout_s
         self._current = 0  # the endpoint that answered last: tried first
         self._token: str | None = None
@@ -347,13 +356,39 @@ def _why(exc: BaseException) -> str:
     """A connection failure in a few words, without a URL's query or a header."""
     if isinstance(exc, TimeoutError | asyncio.TimeoutError):
         return "no answer in time"
+    tls = _tls_failure(exc)
+    if tls is not None:
+        return tls
     if isinstance(exc, aiohttp.ClientConnectorError):
         return f"cannot connect ({exc.os_error.strerror or type(exc.os_error).__name__})"
     return type(exc).__name__
 
 
+def _tls_failure(exc: BaseException) -> str | None:
+    """A refused TLS handshake in words an operator can act on; None for any other failure.
+
+    Either side can refuse: the gateway, a certificate its CA did not sign (aiohttp's
+    certificate error); etcd, a client certificate missing or not signed by its CA, which
+    reaches the client as an alert on its first read (an OSError caused by an SSLError)."""
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        cert = exc.certificate_error
+        detail = getattr(cert, "verify_message", None) or type(cert).__name__
+        return f"certificate verify failed: {detail} (is state.etcd.ca_file etcd's CA?)"
+    cause = exc.os_error if isinstance(exc, aiohttp.ClientConnectorError) else exc.__cause__
+    if not isinstance(cause, ssl.SSLError):
+        return None
+    reason = cause.reason or type(cause).__name__
+    if "ALERT" in reason and ("CERTIFICATE" in reason or "UNKNOWN_CA" in reason):
+        return (
+            f"etcd refused the TLS handshake ({reason}): it wants a client certificate its "
+            "CA signed (state.etcd.cert_file, state.etcd.key_file)"
+        )
+    return f"TLS failed ({reason})"
+
+
 def client_for(cfg: EtcdConfig) -> EtcdClient:
-    """The client state.etcd describes; reads its password file (OSError if it cannot)."""
+    """The client state.etcd describes; reads its password file (OSError if it cannot)
+    and its TLS files (ValueError naming the one that cannot be used)."""
     password = cfg.password.get_secret_value() if cfg.password is not None else None
     if cfg.password_file is not None:
         password = Path(cfg.password_file).read_text(encoding="utf-8").strip()
@@ -362,6 +397,8 @@ def client_for(cfg: EtcdConfig) -> EtcdClient:
         username=cfg.username,
         password=password,
         ca_file=cfg.ca_file,
+        cert_file=cfg.cert_file,
+        key_file=cfg.key_file,
         timeout_s=cfg.timeout_s,
     )
 
