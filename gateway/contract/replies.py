@@ -70,6 +70,10 @@ class Outcome(enum.StrEnum):
     written `rejected:<rule>`; every other value is written as it is.
     """
 
+    # Enum's own __hash__ is Python code (the hash of the name); a member equals its value
+    # as a str does, so str's hash is the one that agrees with ==, and it is C's.
+    __hash__ = str.__hash__
+
     OK = "ok"
     REJECTED = "rejected"
     NOT_FOUND = "not_found"

@@ -19,6 +19,11 @@ from urllib.parse import unquote
 class Kind(enum.Enum):
     """How a route's body is read by SGLang, and so how the gateway inspects it."""
 
+    # Enum's own __hash__ is Python code (the hash of the name), run on every lookup of a
+    # member in a dict or set on the request path; members are singletons compared by
+    # identity, so the identity hash agrees with == and costs nothing.
+    __hash__ = object.__hash__
+
     GENERATE = "generate"  # GenerateReqInput: sampling_params dict/list, batch forms
     VERTEX = "vertex"  # {"instances": [...], "parameters": {...GenerateReqInput kwargs}}
     CHAT = "chat"  # ChatCompletionRequest: top-level top_k/temperature/mask

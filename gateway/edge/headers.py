@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Final
 
 from gateway import build
@@ -58,12 +58,22 @@ _REQUEST_ID_OK: Final = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}\Z")
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
-def _connection_tokens(headers: Iterable[tuple[str, str]]) -> frozenset[str]:
+# What nearly every Connection header says: an option naming a header dropped anyway.
+_PLAIN_CONNECTION: Final = "keep-alive"
+
+
+def _connection_drop(
+    items: list[tuple[str, str]], names: list[str], drop: frozenset[str]
+) -> frozenset[str]:
+    """`drop` and the headers a Connection header names (RFC 9110 s.7.6.1)."""
     tokens: set[str] = set()
-    for name, value in headers:
-        if name.lower() == "connection":
-            tokens.update(t.strip().lower() for t in value.split(","))
-    return frozenset(tokens)
+    for (_, value), name in zip(items, names, strict=True):
+        if name == "connection":
+            lowered = value.lower()
+            if lowered == _PLAIN_CONNECTION:
+                continue  # one plain option: no set to build per request
+            tokens.update(t.strip() for t in lowered.split(","))
+    return drop | tokens if tokens else drop
 
 
 def peer_in(peer: str | None, networks: tuple[Network, ...]) -> bool:
@@ -109,19 +119,19 @@ class ForwardedHeaders:
 
     def upstream(
         self,
-        headers: Mapping[str, str] | Iterable[tuple[str, str]],
+        headers: Iterable[tuple[str, str]],
         *,
         peer: str | None,
         scheme: str,
         request_id: str,
     ) -> list[tuple[str, str]]:
         """Request headers to send upstream: end-to-end ones kept in order, ours added."""
-        items = list(headers.items()) if isinstance(headers, Mapping) else list(headers)
+        items = list(headers)
         names = [name.lower() for name, _ in items]  # once: this runs for every request
         trusted = peer_in(peer, self._trusted)
         drop = self._drop if trusted else self._drop_untrusted
         if "connection" in names:
-            drop = drop | _connection_tokens(items)
+            drop = _connection_drop(items, names, drop)
         out = [item for item, name in zip(items, names, strict=True) if name not in drop]
         if self._authorization is not None:
             out.append(("Authorization", self._authorization))
@@ -151,9 +161,9 @@ class ForwardedHeaders:
         runs for every relayed response.)"""
         items = list(headers)
         names = [name.lower() for name, _ in items]
-        drop = (
-            _RESPONSE_DROP | _connection_tokens(items) if "connection" in names else _RESPONSE_DROP
-        )
+        drop = _RESPONSE_DROP
+        if "connection" in names:
+            drop = _connection_drop(items, names, drop)
         out = [item for item, name in zip(items, names, strict=True) if name not in drop]
         out.append((REQUEST_ID, request_id))
         if server is not None and "server" not in names:

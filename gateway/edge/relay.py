@@ -37,6 +37,11 @@ class Phase(enum.Enum):
     """Where a connection's exchange stands. Every change goes through
     BackendConnection._to, which holds it to TRANSITIONS."""
 
+    # Enum's own __hash__ is Python code (the hash of the name), run on every lookup of a
+    # member in a dict or set on the request path; members are singletons compared by
+    # identity, so the identity hash agrees with == and costs nothing.
+    __hash__ = object.__hash__
+
     IDLE = "idle"  # no exchange yet: just connected
     HEAD = "head"  # the request went out; the final response head is awaited
     BODY = "body"  # the final head came; its body is being read

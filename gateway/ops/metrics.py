@@ -588,7 +588,7 @@ class Metrics(Collector):
         if ex.backend and ex.attempts > len(ex.connect_failed):
             self.upstream_attempts.inc((ex.backend,))
             if outcome in _UPSTREAM_FAILURES:
-                self.upstream_errors.inc((ex.backend, outcome.value))
+                self.upstream_errors.inc((ex.backend, outcome._value_))
         if ex.first_byte is not None:
             self.ttfb.observe(route, ex.first_byte - ex.started)
             if ex.backend:

@@ -62,7 +62,8 @@ class Exchange:
         """`rejected:<rule>` for a refusal, else the outcome's name."""
         if self.outcome is Outcome.REJECTED:
             return f"rejected:{self.rejected_by}"
-        return self.outcome.value
+        # _value_, not .value: the property is Python code, run twice per request.
+        return self.outcome._value_
 
 
 class Observer(Protocol):

@@ -77,3 +77,36 @@ def test_downstream_drops_hop_by_hop_and_the_backends_request_id() -> None:
     incoming = [("Content-Type", "text/event-stream"), (REQUEST_ID, "backend-chosen"), *HOP]
     out = ForwardedHeaders.downstream(incoming, "ours")
     assert out == [("Content-Type", "text/event-stream"), (REQUEST_ID, "ours")]
+
+
+@pytest.mark.parametrize(
+    "connection",
+    [
+        # A plain option in one header and a named header in another: the second still counts.
+        [("Connection", "Keep-Alive"), ("Connection", "X-Secret")],
+        [("Connection", "close"), ("Connection", " x-secret , keep-alive")],
+        [("Connection", "X-SECRET")],
+    ],
+)
+def test_headers_a_connection_header_names_are_dropped_both_ways(
+    connection: list[tuple[str, str]],
+) -> None:
+    incoming = [*connection, ("X-Secret", "s"), ("X-Kept", "k")]
+    up = ForwardedHeaders().upstream(incoming, peer="10.0.0.1", scheme="http", request_id="r")
+    down = ForwardedHeaders.downstream(incoming, "r")
+    for out in (up, down):
+        names = {name.lower() for name, _ in out}
+        assert "x-secret" not in names and "connection" not in names
+        assert "x-kept" in names
+
+
+def test_a_plain_connection_header_drops_only_itself() -> None:
+    incoming = [("Connection", "keep-alive"), ("X-Kept", "k"), ("Close", "c")]
+    down = ForwardedHeaders.downstream(incoming, "r")
+    assert [name for name, _ in down] == ["X-Kept", "Close", REQUEST_ID]
+
+
+def test_connection_close_drops_a_header_named_close() -> None:
+    # RFC 9110 s.7.6.1: every option is a name to remove, "close" too.
+    down = ForwardedHeaders.downstream([("Connection", "close"), ("Close", "c")], "r")
+    assert [name for name, _ in down] == [REQUEST_ID]

@@ -71,7 +71,7 @@ MUTATIONS = [
     (
         "Connection-named headers forwarded",
         "gateway/edge/headers.py",
-        "            drop = drop | _connection_tokens(items)\n        out = [item for item, name in zip(items, names, strict=True) if name not in drop]\n        if self._authorization",
+        "            drop = _connection_drop(items, names, drop)\n        out = [item for item, name in zip(items, names, strict=True) if name not in drop]\n        if self._authorization",
         "            pass\n        out = [item for item, name in zip(items, names, strict=True) if name not in drop]\n        if self._authorization",
         [
             "tests/hardening/test_bad_inputs.py::test_hop_by_hop_and_forwarding_headers_on_a_generation_request"
