@@ -424,7 +424,13 @@ async def serve(
     async with runtime.Signals(on_hup=gateway.reload) as signals:
         # Through etcd every process shares with every other, the --workers of one host too.
         local = SharedState.from_env(worker_index) if cfg.state.backend == "local" else None
-        await gateway.start(reuse_port=worker, shared=local)
+        try:
+            await gateway.start(reuse_port=worker, shared=local)
+        except BaseException:
+            # What start opened before it failed (HTTP sessions, probes, the store's client)
+            # is closed, not left to a warning at exit.
+            await gateway.stop()
+            raise
         if worker:
 
             def orphaned() -> None:
