@@ -37,6 +37,9 @@ _READ_BUFSIZE: Final = 4 << 20
 _UNAUTHENTICATED: Final = 16
 _GOING_AWAY: Final = (1, 14)  # CANCELED, UNAVAILABLE
 _NO_USER: Final = "user name is empty"
+# etcd's JSON gateway under --client-cert-auth with auth enabled answers this (plain text,
+# 400) to every request whose client certificate has a Common Name, whatever its token.
+_CN_REFUSED: Final = b"CommonName of client sending a request against gateway"
 
 
 def b64(data: bytes) -> str:
@@ -138,6 +141,8 @@ class EtcdClient:
             endpoint + path, data=orjson.dumps(body), headers=headers, timeout=timeout
         ) as resp:
             data = await resp.read()
+            if resp.status == 400 and data.startswith(_CN_REFUSED):
+                raise _CommonNameRefused(endpoint)
             if resp.status != 200:
                 message, code = _message(data)
                 # An anonymous call to a store with auth on: "user name is empty" (400).
@@ -160,6 +165,8 @@ class EtcdClient:
             answer = await self._post_once(
                 endpoint, "/v3/auth/authenticate", {"name": name, "password": password}
             )
+        except _CommonNameRefused:
+            raise  # the certificate's fault, not the credentials'
         except (_AuthExpired, EtcdError) as exc:
             reason = str(exc).rpartition(": ")[2]  # etcd's own words only
             raise EtcdError(
@@ -307,7 +314,10 @@ class EtcdClient:
                 timeout=timeout,
             ) as resp:
                 if resp.status != 200:
-                    message, _ = _message(await resp.read())
+                    data = await resp.read()
+                    if resp.status == 400 and data.startswith(_CN_REFUSED):
+                        raise _CommonNameRefused(endpoint)
+                    message, _ = _message(data)
                     raise EtcdError(
                         f"etcd at {endpoint} refused a watch ({resp.status}): {message}"
                     )
@@ -350,6 +360,18 @@ class EtcdClient:
 
 class _AuthExpired(Exception):
     """The token was refused (expired, or revoked): authenticate again."""
+
+
+class _CommonNameRefused(EtcdError):
+    """etcd refused the client certificate for carrying a Common Name (auth enabled)."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(
+            f"etcd at {endpoint} refuses a client certificate with a Common Name while its"
+            " auth is enabled (no certificate identity crosses its JSON gateway): give"
+            " state.etcd.cert_file one without a CN and name the etcd user in"
+            " state.etcd.username"
+        )
 
 
 def _why(exc: BaseException) -> str:

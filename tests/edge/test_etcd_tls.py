@@ -115,6 +115,30 @@ async def test_a_ca_that_did_not_sign_etcd_is_refused(
     assert "Traceback" not in message and "\n" not in message
 
 
+async def test_a_certificate_with_a_common_name_is_named_once_auth_is_on(
+    etcd_tls: EtcdServer, pki: Pki
+) -> None:
+    # etcd's JSON gateway, with auth on, refuses any client certificate that has a CN
+    # (pki's is CN=client), password or not: the error says so, not "bad credentials".
+    secret = "tls-Pass-4k"
+    await etcd_tls.call("/v3/auth/user/add", {"name": "root", "password": secret})
+    await etcd_tls.call("/v3/auth/role/add", {"name": "root"})
+    await etcd_tls.call("/v3/auth/user/grant", {"user": "root", "role": "root"})
+    await etcd_tls.call("/v3/auth/enable", {})
+    files = {"ca_file": str(pki.ca), "cert_file": str(pki.client_cert)}
+    for credentials in ({"username": "root", "password": secret}, {}):
+        client = EtcdClient([etcd_tls.url], key_file=str(pki.client_key), **files, **credentials)
+        try:
+            with pytest.raises(EtcdError) as refused:
+                await client.put(b"/tls/cn", b"x")
+        finally:
+            await client.close()
+        message = str(refused.value)
+        assert message.startswith(f"etcd at {etcd_tls.url} refuses a client certificate with")
+        assert "Common Name" in message and "state.etcd.cert_file" in message
+        assert "credentials" not in message and secret not in message
+
+
 def test_a_key_that_is_not_the_certificates_is_refused_by_the_client(
     pki: Pki, stranger: Pki
 ) -> None:

@@ -36,9 +36,63 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 {{- end -}}
 
+{{/* Where stateStore.tls's and stateStore.auth's Secrets are mounted (outside the
+ConfigMap's read-only mount, which a mount point cannot be made in). */}}
+{{- define "sglang-gateway.etcdTlsDir" -}}/etc/sglang-gateway-etcd/tls{{- end -}}
+{{- define "sglang-gateway.etcdAuthDir" -}}/etc/sglang-gateway-etcd/auth{{- end -}}
+
+{{/* The state.etcd keys stateStore.tls and stateStore.auth stand for (JSON): the mounted
+files' paths and the username, never what the Secrets hold. Fails on a combination the
+gateway would refuse. */}}
+{{- define "sglang-gateway.etcdCredentials" -}}
+{{- $out := dict -}}
+{{- $tls := .Values.stateStore.tls | default dict -}}
+{{- if $tls.secretName -}}
+{{- if and $tls.certKey (not $tls.keyKey) -}}
+{{- fail "stateStore.tls.certKey without stateStore.tls.keyKey: a client certificate needs its key (set both, or both to '' for the CA alone)" -}}
+{{- end -}}
+{{- if and $tls.keyKey (not $tls.certKey) -}}
+{{- fail "stateStore.tls.keyKey without stateStore.tls.certKey: a key needs its client certificate (set both, or both to '' for the CA alone)" -}}
+{{- end -}}
+{{- if not (or $tls.caKey $tls.certKey) -}}
+{{- fail "stateStore.tls.secretName is set but caKey, certKey and keyKey are all empty: nothing to mount" -}}
+{{- end -}}
+{{- range .Values.stateStore.etcdEndpoints -}}
+{{- if hasPrefix "http://" . -}}
+{{- fail (printf "stateStore.tls needs https:// etcd endpoints, not %s" .) -}}
+{{- end -}}
+{{- end -}}
+{{- $dir := include "sglang-gateway.etcdTlsDir" . -}}
+{{- if $tls.caKey -}}
+{{- $_ := set $out "ca_file" (printf "%s/ca.crt" $dir) -}}
+{{- end -}}
+{{- if $tls.certKey -}}
+{{- $_ := set $out "cert_file" (printf "%s/tls.crt" $dir) -}}
+{{- $_ := set $out "key_file" (printf "%s/tls.key" $dir) -}}
+{{- end -}}
+{{- end -}}
+{{- $auth := .Values.stateStore.auth | default dict -}}
+{{- $password := $auth.passwordSecret | default dict -}}
+{{- if and $password.name (not $auth.username) -}}
+{{- fail "stateStore.auth.passwordSecret without stateStore.auth.username: etcd checks a password for a user name" -}}
+{{- end -}}
+{{- if $auth.username -}}
+{{- if not (and $password.name $password.key) -}}
+{{- fail "stateStore.auth.username needs stateStore.auth.passwordSecret.name and .key: the password comes from a mounted Secret, never the ConfigMap" -}}
+{{- end -}}
+{{- $_ := set $out "username" $auth.username -}}
+{{- $_ := set $out "password_file" (printf "%s/password" (include "sglang-gateway.etcdAuthDir" .)) -}}
+{{- end -}}
+{{- if and $out (not .Values.stateStore.etcdEndpoints) (not .Values.configFile) -}}
+{{- fail "stateStore.tls and stateStore.auth are etcd's credentials: set stateStore.etcdEndpoints too (or a configFile with a state: section)" -}}
+{{- end -}}
+{{- toJson $out -}}
+{{- end -}}
+
 {{/* The gateway.yaml text: configFile verbatim, or the config values through tpl. */}}
 {{- define "sglang-gateway.configText" -}}
 {{- $etcd := .Values.stateStore.etcdEndpoints -}}
+{{- $credentials := include "sglang-gateway.etcdCredentials" . | fromJson -}}
 {{- if .Values.configFile -}}
 {{- if $etcd -}}
 {{- fail "stateStore.etcdEndpoints is merged into `config`: with configFile, write state: {backend: etcd, etcd: {endpoints: ...}} in the file itself" -}}
@@ -47,7 +101,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- else -}}
 {{- $cfg := deepCopy .Values.config -}}
 {{- if $etcd -}}
-{{- $_ := set $cfg "state" (dict "backend" "etcd" "etcd" (dict "endpoints" $etcd "prefix" .Values.stateStore.prefix)) -}}
+{{- $state := dict "endpoints" $etcd "prefix" .Values.stateStore.prefix -}}
+{{- $_ := set $cfg "state" (dict "backend" "etcd" "etcd" (merge $state $credentials)) -}}
 {{- end -}}
 {{- tpl (toYaml $cfg) . }}{{ "\n" }}
 {{- end -}}
@@ -70,6 +125,13 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- $replicas := ternary 2 (int .Values.replicaCount) .Values.autoscaling.enabled -}}
 {{- if and (eq ($backends.discovery | default "static") "registry") (gt $replicas 1) (ne (dig "state" "backend" "local" $cfg) "etcd") -}}
 {{- fail "backends.discovery: registry on more than one replica needs state.backend: etcd (stateStore.etcdEndpoints, or a state: section in configFile): each replica would keep a registry of its own" -}}
+{{- end -}}
+{{- if .Values.configFile -}}
+{{- range $key, $value := include "sglang-gateway.etcdCredentials" . | fromJson -}}
+{{- if ne (dig "state" "etcd" $key "" $cfg | toString) $value -}}
+{{- fail (printf "stateStore.tls/auth mount the etcd credentials, but configFile's state.etcd.%s is not %s: write `%s: %s` there" $key $value $key $value) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 {{- toJson $cfg -}}
 {{- end -}}
