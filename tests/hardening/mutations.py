@@ -767,8 +767,8 @@ MUTATIONS = [
     (
         "the API's Status message dropped from the log",
         "gateway/fleet/discovery.py",
-        "        return cls(cause_of_status(status), verb, status, api_message(payload))",
-        '        return cls(cause_of_status(status), verb, status, "")',
+        "        error = cls(cause_of_status(status), verb, status, api_message(payload))",
+        '        error = cls(cause_of_status(status), verb, status, "")',
         [
             "tests/fleet/test_discovery_errors.py::test_a_forbidden_list_names_the_user_and_the_missing_permission",
         ],
@@ -794,8 +794,8 @@ MUTATIONS = [
     (
         "an unreadable token file counted as unreachable",
         "gateway/edge/clients.py",
-        "                raise ApiError(\n                    UNAUTHORIZED, verb,",
-        "                raise ApiError(\n                    UNREACHABLE, verb,",
+        "                raise ApiError(\n                    UNAUTHORIZED,\n                    verb,",
+        "                raise ApiError(\n                    UNREACHABLE,\n                    verb,",
         [
             "tests/fleet/test_discovery_errors.py::test_a_token_file_that_cannot_be_read_is_unauthorized"
         ],
