@@ -991,6 +991,61 @@ MUTATIONS = [
         "    name: sglang-workers.llm.svc.cluster.local",
         ["tests/test_cli.py::test_example_configs_name_the_namespace_the_manifests_use"],
     ),
+    # -- Kubernetes PD discovery: pods by role label (gateway/fleet/pods.py) --------------
+    (
+        "a pod matching both role selectors given the first role",
+        "gateway/fleet/pods.py",
+        "        if len(roles) > 1:",
+        "        if False:",
+        [
+            "tests/fleet/test_pd_discovery.py::test_a_pod_matching_both_selectors_or_with_a_bad_annotation_is_refused_once"
+        ],
+    ),
+    (
+        "a refused pod counted again on every event and relist",
+        "gateway/fleet/pods.py",
+        "        if self._refused.get(name) == cause:",
+        "        if False:",
+        [
+            "tests/fleet/test_pd_discovery.py::test_a_pod_matching_both_selectors_or_with_a_bad_annotation_is_refused_once"
+        ],
+    ),
+    (
+        "the bootstrap-port annotation not read",
+        "gateway/fleet/pods.py",
+        '            extras["bootstrap_port"] = port',
+        '            extras["bootstrap_port"] = None',
+        [
+            "tests/fleet/test_pd_discovery.py::test_pods_of_both_roles_are_paired_and_a_deleted_or_unready_pod_leaves_its_role"
+        ],
+    ),
+    (
+        "a pod that changed role but not URL not retyped",
+        "gateway/fleet/pods.py",
+        "            self._last = None",
+        "            pass",
+        [
+            "tests/fleet/test_pd_discovery.py::test_pods_of_both_roles_are_paired_and_a_deleted_or_unready_pod_leaves_its_role"
+        ],
+    ),
+    (
+        "an unready pod kept in its role",
+        "gateway/fleet/pods.py",
+        "        if not ready(item):",
+        "        if False:",
+        [
+            "tests/fleet/test_pd_discovery.py::test_pods_of_both_roles_are_paired_and_a_deleted_or_unready_pod_leaves_its_role"
+        ],
+    ),
+    (
+        "the API's selector names only the prefill pods",
+        "gateway/config/models.py",
+        "    for key in sorted(prefill.keys() & decode.keys()):",
+        "    for key in sorted(prefill.keys()):",
+        [
+            "tests/fleet/test_pd_discovery.py::test_pods_of_both_roles_are_paired_and_a_deleted_or_unready_pod_leaves_its_role"
+        ],
+    ),
     # -- Hardening III: loop stalls with large bodies ------------------------------
     (
         "large-body scans never pause for the loop",
