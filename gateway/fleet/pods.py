@@ -3,12 +3,12 @@
 EndpointSlices carry no pod labels, so backends.mode pd with Kubernetes discovery lists and
 watches the namespace's Pods instead, as sglang-router (SMG) does with
 `--service-discovery --prefill-selector ... --decode-selector ...`: its
-sgl-router/src/service_discovery.rs gives a pod the prefill role when every label of the
-prefill selector matches (then decode's; an empty selector matches nothing), takes a pod
-as healthy when its Ready condition is True and its phase Running, removes it once it has a
-deletionTimestamp, and reads a prefill pod's bootstrap port from the annotation
-`sglang.ai/bootstrap-port` (`--bootstrap-port-annotation`). Here the same, with two
-differences: a pod matching both selectors is refused (SMG makes it a prefill worker), and
+sgl-router/src/service_discovery.rs (sgl-project/sglang) gives a pod the prefill role when
+every label of the prefill selector matches (then decode's; an empty selector matches
+nothing), takes a pod as healthy when its Ready condition is True and its phase Running,
+removes it once it has a deletionTimestamp, and reads a prefill pod's bootstrap port from
+the annotation `sglang.ai/bootstrap-port` (`--bootstrap-port-annotation`). Here the same,
+with two differences: a pod matching both selectors is refused (SMG makes it a prefill worker), and
 so is a prefill pod whose annotation is not a port (SMG sends null, which points decode at
 the engine's default port, likely the wrong one).
 
