@@ -8,9 +8,9 @@ every label of the prefill selector matches (then decode's; an empty selector ma
 nothing), takes a pod as healthy when its Ready condition is True and its phase Running,
 removes it once it has a deletionTimestamp, and reads a prefill pod's bootstrap port from
 the annotation `sglang.ai/bootstrap-port` (`--bootstrap-port-annotation`). Here the same,
-with two differences: a pod matching both selectors is refused (SMG makes it a prefill worker), and
-so is a prefill pod whose annotation is not a port (SMG sends null, which points decode at
-the engine's default port, likely the wrong one).
+with two differences: a pod matching both selectors is refused (SMG makes it a prefill
+worker), and so is a prefill pod whose annotation is not a port (SMG sends null, which
+points decode at the engine's default port, likely the wrong one).
 
 The list, the watch, the backoff, the relist after 410 and the last set kept while the API
 fails are KubernetesDiscovery's; this adds what a pod says (its URL, its role) and hands the
