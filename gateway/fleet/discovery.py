@@ -1,12 +1,13 @@
-"""Where the backends are: static lists, DNS names, Kubernetes EndpointSlices.
+"""Where the backends are: static lists, DNS names, Kubernetes EndpointSlices (and Pods,
+for prefill/decode roles: gateway/fleet/pods.py).
 
 Each discovery runs as one owned task and publishes immutable snapshots (a tuple of
 backend URLs) to a callback; the pool turns snapshots into membership changes. A failed
 or empty answer never empties the fleet: the last good snapshot stays, and the failure is
 logged (with what an operator needs to fix it), counted by cause, and named by /readyz.
 
-Seams for tests: DNS answers come from a `Resolver`, the Kubernetes API through an
-`EndpointSliceApi` (over HTTP to a configurable address: a loopback fake in tests, the
+Seams for tests: DNS answers come from a `Resolver`, the Kubernetes API through a
+`ListWatchApi` (over HTTP to a configurable address: a loopback fake in tests, the
 in-cluster API otherwise).
 """
 
@@ -329,10 +330,6 @@ class ListWatchApi(Protocol):
 
 
 Sleep = Callable[[float], Awaitable[None]]
-
-
-# The name the EndpointSlice discovery was first written with.
-EndpointSliceApi = ListWatchApi
 
 
 class KubernetesDiscovery(_Publishing):
