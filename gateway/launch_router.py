@@ -12,10 +12,10 @@ register themselves later (`POST /workers`), as they do with the router.
 A flag of the router's that the gateway cannot honour is refused with exit status 2 and
 the list of what is taken, never ignored: a policy with no equivalent, encode/prefill/decode
 disaggregation, a per-worker credential, Kubernetes selectors (use backends.discovery:
-kubernetes), ... `--pd-disaggregation` with `--prefill URL [BOOTSTRAP_PORT]` and
-`--decode URL` (each repeatable, as the router takes them) becomes backends.mode pd with
-backends.prefill and backends.decode; `--prefill-policy` and `--decode-policy` become each
-role's balancer.
+kubernetes, with backends.kubernetes.prefill_selector and decode_selector for PD), ...
+`--pd-disaggregation` with `--prefill URL [BOOTSTRAP_PORT]` and `--decode URL` (each
+repeatable, as the router takes them) becomes backends.mode pd with backends.prefill and
+backends.decode; `--prefill-policy` and `--decode-policy` become each role's balancer.
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ _REFUSED: Final = {
     "--epd-disaggregation": "encode/prefill/decode routing is not built yet",
     "--encode": "encode/prefill/decode routing is not built yet",
     "--prefill-selector": (
-        "use backends.discovery: kubernetes with its role label (docs/fleet-control.md)"
+        "use backends.kubernetes.prefill_selector with --config (docs/fleet-control.md)"
     ),
     "--decode-selector": (
-        "use backends.discovery: kubernetes with its role label (docs/fleet-control.md)"
+        "use backends.kubernetes.decode_selector with --config (docs/fleet-control.md)"
     ),
     "--mini-lb": "the gateway is the load balancer",
     "--api-key": "a credential on the command line shows in every process listing; put it "

@@ -152,17 +152,21 @@ def check_containers(doc: dict, where: str) -> None:
 
 
 # What gateway/edge/clients.py calls (KubernetesApi.list and .watch), and all a Role of
-# ours may grant: least privilege, and rbac.yaml says nothing else is granted.
-DISCOVERY_RULES = [
-    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]}
-]
+# ours may grant: least privilege, and rbac.yaml says nothing else is granted. Pods are
+# read by PD discovery (backends.kubernetes.prefill_selector); the chart grants them alone
+# then, the kustomize overlay both, for either mode.
+SLICES_RULE = {
+    "apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["list", "watch"]
+}
+PODS_RULE = {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}
+DISCOVERY_RULES = ([SLICES_RULE], [PODS_RULE], [SLICES_RULE, PODS_RULE])
 
 
 def check_rbac(doc: dict, where: str) -> None:
-    if doc["kind"] in ("Role", "ClusterRole") and doc.get("rules") != DISCOVERY_RULES:
+    if doc["kind"] in ("Role", "ClusterRole") and doc.get("rules") not in DISCOVERY_RULES:
         failures.append(
             f"{where}: grants {doc.get('rules')}; the gateway calls only list and watch on "
-            "discovery.k8s.io endpointslices"
+            "discovery.k8s.io endpointslices and core pods"
         )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import ipaddress
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
@@ -133,15 +134,58 @@ class DnsConfig(_Model):
     interval_s: Seconds = 5.0
 
 
+# A label's key: an optional DNS-subdomain prefix and a slash, then a name of at most 63
+# characters (Kubernetes' own syntax, so a selector built from it cannot say anything else).
+_LABEL_NAME: Final = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+_LABEL_KEY: Final = re.compile(
+    rf"([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?{_LABEL_NAME}"
+)
+_LABEL_VALUE: Final = re.compile(f"({_LABEL_NAME})?")
+
+
+def _label_key(value: str) -> str:
+    prefix = value.rpartition("/")[0]
+    if len(prefix) > 253 or not _LABEL_KEY.fullmatch(value):
+        raise ValueError(
+            f"{value!r} is not a Kubernetes label or annotation key (e.g. app, or "
+            "sglang.ai/bootstrap-port)"
+        )
+    return value
+
+
+def _labels(value: dict[str, str]) -> dict[str, str]:
+    for key, label in value.items():
+        _label_key(key)
+        if not _LABEL_VALUE.fullmatch(label):
+            raise ValueError(
+                f"{label!r} (of {key}) is not a label value: at most 63 letters, digits, "
+                "'-', '_' or '.', starting and ending with a letter or digit"
+            )
+    return value
+
+
+LabelKey = Annotated[str, AfterValidator(_label_key)]
+Labels = Annotated[dict[str, str], AfterValidator(_labels)]
+
+
 class KubernetesConfig(_Model):
-    namespace: Annotated[str, Field(min_length=1)] = "default"  # of the EndpointSlices
+    namespace: Annotated[str, Field(min_length=1)] = "default"  # of the EndpointSlices or Pods
     # Exactly one: a Service name (its EndpointSlices: kubernetes.io/service-name=) or a
-    # label selector on the slices.
+    # label selector on the slices; neither with prefill_selector and decode_selector.
     service: str | None = None
     label_selector: str | None = None  # any selector on the slices, instead of service
-    # Exactly one: the port number, or the name of the slice's port.
+    # Exactly one: the port number, or the name of the slice's port (with the role
+    # selectors: of the pod's container port).
     port: Annotated[int, Field(ge=1, le=65535)] | None = None
     port_name: str | None = None  # the slice port's name, instead of port
+    # backends.mode pd: the labels of the prefill pods (all must match), as sglang-router's
+    # --prefill-selector app=sglang component=prefill. With decode_selector, discovery lists
+    # and watches the namespace's Pods instead of EndpointSlices (RBAC: pods list, watch).
+    prefill_selector: Labels = Field(default_factory=dict)
+    decode_selector: Labels = Field(default_factory=dict)  # the decode pods' labels, as above
+    # The prefill pod's annotation that holds its --disaggregation-bootstrap-port
+    # (sglang-router's --bootstrap-port-annotation); absent: the engine's default (null).
+    bootstrap_port_annotation: LabelKey = "sglang.ai/bootstrap-port"
     scheme: Literal["http", "https"] = "http"  # how the gateway talks to the backends
     # A full relist this often, besides the watch, so a missed event cannot linger.
     resync_s: Seconds = 60.0
@@ -161,7 +205,9 @@ class KubernetesConfig(_Model):
 
     @model_validator(mode="after")
     def _one_of_each(self) -> KubernetesConfig:
-        if (self.service is None) == (self.label_selector is None):
+        if self.roles:
+            self._roles_usable()
+        elif (self.service is None) == (self.label_selector is None):
             raise ValueError("set exactly one of service or label_selector")
         if (self.port is None) == (self.port_name is None):
             raise ValueError("set exactly one of port or port_name")
@@ -173,11 +219,58 @@ class KubernetesConfig(_Model):
         return self
 
     @property
+    def roles(self) -> bool:
+        """Prefill and decode pods by their labels (Pods), not EndpointSlices."""
+        return bool(self.prefill_selector or self.decode_selector)
+
+    def _roles_usable(self) -> None:
+        prefill, decode = self.prefill_selector, self.decode_selector
+        if not (prefill and decode):
+            raise ValueError(
+                "set both prefill_selector and decode_selector (the labels of each role's "
+                "pods), or neither"
+            )
+        if self.service is not None or self.label_selector is not None:
+            raise ValueError(
+                "service and label_selector select EndpointSlices, which carry no pod labels; "
+                "with prefill_selector and decode_selector the pods are selected by those alone"
+            )
+        for small, large in ((prefill, decode), (decode, prefill)):
+            if small.items() <= large.items():
+                # Every pod the larger selects matches both: none could ever be given a role.
+                raise ValueError(
+                    f"every pod that matches {_selector_text(large)} also matches "
+                    f"{_selector_text(small)}: prefill_selector and decode_selector must "
+                    "differ in a label both name, or each name one the other does not"
+                )
+
+    @property
     def selector(self) -> str:
+        if self.roles:
+            return pods_selector(self.prefill_selector, self.decode_selector)
         if self.service is not None:
             return f"kubernetes.io/service-name={self.service}"
         assert self.label_selector is not None
         return self.label_selector
+
+
+def _selector_text(labels: Mapping[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+def pods_selector(prefill: Mapping[str, str], decode: Mapping[str, str]) -> str:
+    """The API's labelSelector for the pods of either role: one selector selects both only
+    where they name the same key (a selector's terms are ANDed), so the others are left to
+    the gateway's own match of each pod's labels. app=sglang,component=prefill and
+    app=sglang,component=decode give app=sglang,component in (decode,prefill)."""
+    terms = []
+    for key in sorted(prefill.keys() & decode.keys()):
+        a, b = prefill[key], decode[key]
+        if a == b:
+            terms.append(f"{key}={a}")
+        elif a and b:  # a set-based term names no empty value
+            terms.append(f"{key} in ({','.join(sorted((a, b)))})")
+    return ",".join(terms)
 
 
 # The balancers gateway/fleet/balancers.py implements (BALANCERS there).
@@ -282,7 +375,7 @@ class BackendsConfig(_Model):
     # Regular workers, http(s)://host:port (what --backend sets).
     static: list[BackendUrl] = Field(default_factory=list)
     dns: DnsConfig | None = None  # discovery: dns, the name whose records are the backends
-    # discovery: kubernetes, the EndpointSlices that list the backends.
+    # discovery: kubernetes, the EndpointSlices (with mode pd: the Pods) that list the backends.
     kubernetes: KubernetesConfig | None = None
     # sglang-router's --policy names are taken too (SMG_POLICIES): see _smg_policy.
     balancer: BalancerName = "least_inflight"
@@ -291,9 +384,10 @@ class BackendsConfig(_Model):
     # regular workers then serve none. regular: prefill and decode workers serve nothing.
     mode: Literal["regular", "pd"] = "regular"
     # Workers by role, besides backends.static (regular ones): sglang-router's --prefill
-    # URL [BOOTSTRAP_PORT] and --decode URL. A registered worker says its own worker_type.
-    # Only with mode: pd and static or registry discovery. A prefill worker is a URL or
-    # {url, bootstrap_port}.
+    # URL [BOOTSTRAP_PORT] and --decode URL. A registered worker says its own worker_type;
+    # a discovered pod's comes from backends.kubernetes.prefill_selector and
+    # decode_selector. Only with mode: pd and static or registry discovery. A prefill worker
+    # is a URL or {url, bootstrap_port}.
     prefill: list[PrefillWorker] = Field(default_factory=list)
     decode: list[BackendUrl] = Field(default_factory=list)  # decode workers' URLs, as prefill
     # Each role's balancer (sglang-router's --prefill-policy, --decode-policy); null:
@@ -357,6 +451,20 @@ class BackendsConfig(_Model):
             raise ValueError("dns discovery needs a backends.dns section (name, port)")
         if self.discovery == "kubernetes" and self.kubernetes is None:
             raise ValueError("kubernetes discovery needs a backends.kubernetes section")
+        if self.kubernetes is not None and self.kubernetes.roles and self.mode != "pd":
+            raise ValueError(
+                "backends.kubernetes.prefill_selector and decode_selector need backends.mode: "
+                "pd (a prefill or decode worker serves no request alone)"
+            )
+        if self.mode == "pd" and self.discovery == "kubernetes":
+            assert self.kubernetes is not None
+            if not self.kubernetes.roles:
+                raise ValueError(
+                    "backends.mode pd with kubernetes discovery needs "
+                    "backends.kubernetes.prefill_selector and decode_selector: the labels "
+                    "that tell a prefill pod from a decode pod (sglang-router's "
+                    "--prefill-selector and --decode-selector)"
+                )
         return self
 
     def _roles_configured(self) -> None:
@@ -364,7 +472,8 @@ class BackendsConfig(_Model):
             raise ValueError(
                 "backends.prefill and backends.decode list workers for static or registry "
                 f"discovery; with {self.discovery} discovery the role comes from the workers "
-                "themselves (docs/fleet-control.md, prefill/decode disaggregation)"
+                "themselves (with kubernetes: backends.kubernetes.prefill_selector and "
+                "decode_selector; docs/fleet-control.md, prefill/decode disaggregation)"
             )
         if (self.prefill or self.decode) and self.mode != "pd":
             raise ValueError(

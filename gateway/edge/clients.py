@@ -23,7 +23,7 @@ from gateway.fleet.discovery import (
     UNAUTHORIZED,
     UNREACHABLE,
     ApiError,
-    EndpointSliceApi,
+    ListWatchApi,
 )
 from gateway.fleet.health import ProbeResult
 from gateway.runtime import LOCAL_ERRNOS
@@ -116,7 +116,13 @@ class AiohttpClients:
             status, info = await self._json(url + "/get_server_info", timeout_s)
         return ServerInfo.from_json(info) if isinstance(info, dict) else None
 
-    def endpoint_slices(self, cfg: KubernetesConfig) -> EndpointSliceApi:
+    def endpoint_slices(self, cfg: KubernetesConfig) -> ListWatchApi:
+        return self._kubernetes(cfg, "endpointslices")
+
+    def pods(self, cfg: KubernetesConfig) -> ListWatchApi:
+        return self._kubernetes(cfg, "pods")
+
+    def _kubernetes(self, cfg: KubernetesConfig, resource: str) -> ListWatchApi:
         return KubernetesApi(
             self._session,
             api_server=cfg.api_server,
@@ -124,6 +130,7 @@ class AiohttpClients:
             label_selector=cfg.selector,
             token_file=cfg.token_file,
             ca_file=cfg.ca_file,
+            resource=resource,
         )
 
 
@@ -146,8 +153,13 @@ def _json(body: bytes) -> object:
         return None
 
 
+# Where each resource discovery reads lives in the API, under the namespace.
+_PATHS = {"endpointslices": "/apis/discovery.k8s.io/v1", "pods": "/api/v1"}
+_LISTS = {"endpointslices": "EndpointSliceList", "pods": "PodList"}
+
+
 class KubernetesApi:
-    """discovery.EndpointSliceApi over aiohttp (no client library)."""
+    """discovery.ListWatchApi over aiohttp (no client library): EndpointSlices or Pods."""
 
     def __init__(
         self,
@@ -159,19 +171,18 @@ class KubernetesApi:
         token_file: str | None,
         ca_file: str | None,
         list_timeout_s: float = 30.0,
+        resource: str = "endpointslices",
     ) -> None:
         self._session = session
         # A list is one bounded JSON reply; a hung API server must not hold discovery for the
         # session's default read timeout (ttfb_s, meant for prefill).
         self._list_timeout = aiohttp.ClientTimeout(total=list_timeout_s)
-        self._base = (
-            f"{api_server.rstrip('/')}/apis/discovery.k8s.io/v1"
-            f"/namespaces/{namespace}/endpointslices"
-        )
+        self.resource = resource
+        self._base = f"{api_server.rstrip('/')}{_PATHS[resource]}/namespaces/{namespace}/{resource}"
         self._selector = label_selector
+        qualified = "endpointslices.discovery.k8s.io" if resource == "endpointslices" else resource
         self.target = (
-            f'endpointslices.discovery.k8s.io in namespace "{namespace}" '
-            f"(labelSelector {label_selector})"
+            f'{qualified} in namespace "{namespace}" (labelSelector {label_selector or "none"})'
         )
         self._token_file = token_file
         self._ssl: ssl.SSLContext | bool = True
@@ -190,7 +201,10 @@ class KubernetesApi:
                 # No credential to send: the API server would only answer 401.
                 why = exc.strerror if isinstance(exc, OSError) else "not UTF-8"
                 raise ApiError(
-                    UNAUTHORIZED, verb, message=f"cannot read the token file {path}: {why}"
+                    UNAUTHORIZED,
+                    verb,
+                    message=f"cannot read the token file {path}: {why}",
+                    resource=self.resource,
                 ) from exc
             headers["Authorization"] = f"Bearer {text.strip()}"
         return headers
@@ -207,19 +221,25 @@ class KubernetesApi:
             ) as resp:
                 raw = await resp.read()
                 if resp.status != 200:
-                    raise ApiError.answered("list", resp.status, _json(raw))
+                    raise ApiError.answered("list", resp.status, _json(raw), self.resource)
         except TimeoutError as exc:
             # An error to count and back off from, not the watch's periodic-relist timeout.
             raise ApiError(
-                UNREACHABLE, "list", message=f"timed out after {self._list_timeout.total} s"
+                UNREACHABLE,
+                "list",
+                message=f"timed out after {self._list_timeout.total} s",
+                resource=self.resource,
             ) from exc
         except aiohttp.ClientError as exc:
-            raise ApiError(UNREACHABLE, "list", message=_no_answer(exc)) from exc
+            raise ApiError(
+                UNREACHABLE, "list", message=_no_answer(exc), resource=self.resource
+            ) from exc
         body = _json(raw)
         metadata = body.get("metadata") if isinstance(body, dict) else None
         items = body.get("items") if isinstance(body, dict) else None
         if not isinstance(metadata, dict) or not isinstance(items, list | None):
-            raise ApiError(BAD_RESPONSE, "list", 200, "not an EndpointSliceList")
+            kind = _LISTS[self.resource]
+            raise ApiError(BAD_RESPONSE, "list", 200, f"not a {kind}", resource=self.resource)
         return list(items or []), str(metadata.get("resourceVersion", ""))
 
     async def watch(
@@ -241,13 +261,23 @@ class KubernetesApi:
                 timeout=aiohttp.ClientTimeout(total=None, sock_read=timeout_s + 30),
             ) as resp:
                 if resp.status != 200:
-                    raise ApiError.answered("watch", resp.status, _json(await resp.read()))
+                    raise ApiError.answered(
+                        "watch", resp.status, _json(await resp.read()), self.resource
+                    )
                 async for line in resp.content:
                     if line.strip():
                         event = _json(line)
                         if not isinstance(event, dict):
-                            raise ApiError(BAD_RESPONSE, "watch", 200, "not a watch event")
+                            raise ApiError(
+                                BAD_RESPONSE,
+                                "watch",
+                                200,
+                                "not a watch event",
+                                resource=self.resource,
+                            )
                         obj = event.get("object")
                         yield str(event.get("type")), obj if isinstance(obj, dict) else {}
         except aiohttp.ClientError as exc:
-            raise ApiError(UNREACHABLE, "watch", message=_no_answer(exc)) from exc
+            raise ApiError(
+                UNREACHABLE, "watch", message=_no_answer(exc), resource=self.resource
+            ) from exc

@@ -1,12 +1,13 @@
-"""Where the backends are: static lists, DNS names, Kubernetes EndpointSlices.
+"""Where the backends are: static lists, DNS names, Kubernetes EndpointSlices (and Pods,
+for prefill/decode roles: gateway/fleet/pods.py).
 
 Each discovery runs as one owned task and publishes immutable snapshots (a tuple of
 backend URLs) to a callback; the pool turns snapshots into membership changes. A failed
 or empty answer never empties the fleet: the last good snapshot stays, and the failure is
 logged (with what an operator needs to fix it), counted by cause, and named by /readyz.
 
-Seams for tests: DNS answers come from a `Resolver`, the Kubernetes API through an
-`EndpointSliceApi` (over HTTP to a configurable address: a loopback fake in tests, the
+Seams for tests: DNS answers come from a `Resolver`, the Kubernetes API through a
+`ListWatchApi` (over HTTP to a configurable address: a loopback fake in tests, the
 in-cluster API otherwise).
 """
 
@@ -271,17 +272,30 @@ class ApiError(Exception):
     cause, the verb, the HTTP status (None when nothing answered) and the API's message (or,
     without one, the gateway's own words for what went wrong)."""
 
-    def __init__(self, cause: str, verb: str, status: int | None = None, message: str = "") -> None:
+    def __init__(
+        self,
+        cause: str,
+        verb: str,
+        status: int | None = None,
+        message: str = "",
+        *,
+        resource: str = "endpointslices",
+    ) -> None:
         self.cause = cause
         self.verb = verb
+        self.resource = resource
         self.status = status
         self.message = message
         super().__init__(self.describe())
 
     @classmethod
-    def answered(cls, verb: str, status: int, payload: object) -> ApiError:
+    def answered(
+        cls, verb: str, status: int, payload: object, resource: str = "endpointslices"
+    ) -> ApiError:
         """From an error answer (or a watch's ERROR event): its status and Status object."""
-        return cls(cause_of_status(status), verb, status, api_message(payload))
+        error = cls(cause_of_status(status), verb, status, api_message(payload))
+        error.resource = resource
+        return error
 
     def describe(self) -> str:
         said = f": {self.message}" if self.message else ""
@@ -293,18 +307,20 @@ class ApiError(Exception):
     def brief(self) -> str:
         """For /readyz: the status and the call, not the message."""
         if self.status is None:
-            return f"no answer to {self.verb} endpointslices"
-        return f"HTTP {self.status} on {self.verb} endpointslices"
+            return f"no answer to {self.verb} {self.resource}"
+        return f"HTTP {self.status} on {self.verb} {self.resource}"
 
 
-class EndpointSliceApi(Protocol):
-    """The two EndpointSlice calls discovery needs (gateway/edge/clients.py makes them over
-    HTTP). A refused or failed call raises ApiError; OSError (a timeout included) and
-    ValueError/KeyError/TypeError from another implementation count as unreachable and
-    bad_response. A watch's ERROR events are yielded like any other."""
+class ListWatchApi(Protocol):
+    """The two calls discovery needs of one resource, EndpointSlices or Pods
+    (gateway/edge/clients.py makes them over HTTP). A refused or failed call raises
+    ApiError; OSError (a timeout included) and ValueError/KeyError/TypeError from another
+    implementation count as unreachable and bad_response. A watch's ERROR events are yielded
+    like any other."""
 
     # What the calls read, for the log: the resource, its namespace, the selector.
     target: str
+    resource: str  # the resource's plural name: endpointslices, pods
 
     async def list(self) -> tuple[list[dict[str, Any]], str]: ...
 
@@ -326,10 +342,11 @@ class KubernetesDiscovery(_Publishing):
     """
 
     name = "kubernetes"
+    nothing = "no ready endpoints"  # what an empty answer lacks, for the log and /readyz
 
     def __init__(
         self,
-        api: EndpointSliceApi,
+        api: ListWatchApi,
         *,
         scheme: str,
         port: int | None,
@@ -349,6 +366,7 @@ class KubernetesDiscovery(_Publishing):
         self._retry_max = retry_max_s
         self._sleep = sleep
         self._jitter = jitter
+        # The URLs of each listed object (a slice, or a pod) by its name.
         self._slices: dict[str, list[str]] = {}
         # Failed calls since discovery last worked in full (a list and a watch that ran);
         # a list that works while its watch keeps failing does not reset the backoff.
@@ -363,19 +381,26 @@ class KubernetesDiscovery(_Publishing):
         if self._offer({u for urls in self._slices.values() for u in urls}, publish):
             self.failing = None
             return
-        self._count(EMPTY, "no ready endpoints")
+        self._count(EMPTY, self.nothing)
         log.warning(
-            "kubernetes discovery: no ready endpoints in %s; keeping the last good set "
-            "(%d backends)",
+            "kubernetes discovery: %s in %s; keeping the last good set (%d backends)",
+            self.nothing,
             self._api.target,
             self.kept,
         )
 
     async def sync_once(self, publish: Publish) -> str:
         items, version = await self._api.list()
-        self._slices = {item["metadata"]["name"]: self._urls(item) for item in items}
+        self._take(items)
         self._publish(publish)
         return version
+
+    def _take(self, items: list[dict[str, Any]]) -> None:
+        """A full list replaces what the watch built."""
+        self._slices = {item["metadata"]["name"]: self._urls(item) for item in items}
+
+    def _drop(self, name: str) -> None:
+        self._slices.pop(name, None)
 
     def backoff(self, streak: int) -> float:
         """The wait after `streak` failures in a row: doubling from retry_base_s up to
@@ -389,18 +414,20 @@ class KubernetesDiscovery(_Publishing):
             async for kind, item in self._api.watch(version, self._resync):
                 if kind == "ERROR":
                     code = item.get("code")
-                    raise ApiError.answered("watch", code if isinstance(code, int) else 0, item)
+                    status = code if isinstance(code, int) else 0
+                    raise ApiError.answered("watch", status, item, self._api.resource)
                 self._worked()
                 name = (item.get("metadata") or {}).get("name")
                 if kind in ("ADDED", "MODIFIED") and name:
                     self._slices[name] = self._urls(item)
                 elif kind == "DELETED" and name:
-                    self._slices.pop(name, None)
+                    self._drop(name)
                 else:
                     continue  # BOOKMARK
                 self._publish(publish)
 
     async def run(self, publish: Publish) -> None:
+        resource = self._api.resource
         while True:
             verb = "list"
             try:
@@ -413,14 +440,14 @@ class KubernetesDiscovery(_Publishing):
                 if verb == "watch":
                     self._worked()  # the periodic relist
                     continue
-                error = ApiError(UNREACHABLE, verb, message="timed out")
+                error = ApiError(UNREACHABLE, verb, message="timed out", resource=resource)
             except ApiError as exc:
                 error = exc
             except OSError as exc:
-                error = ApiError(UNREACHABLE, verb, message=type(exc).__name__)
+                error = ApiError(UNREACHABLE, verb, message=type(exc).__name__, resource=resource)
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 # Malformed items included: the task must outlive any answer.
-                error = ApiError(BAD_RESPONSE, verb, message=_bad(exc))
+                error = ApiError(BAD_RESPONSE, verb, message=_bad(exc, resource), resource=resource)
             if error.cause == GONE and not self._gone_again:
                 # The watch's resource version was compacted away: relist and watch anew.
                 self._gone_again = True
@@ -456,7 +483,12 @@ class KubernetesDiscovery(_Publishing):
         return delay
 
 
-def _bad(exc: BaseException) -> str:
+# The kind each resource's list and watch should have given, for the log.
+KINDS: Final = {"endpointslices": "an EndpointSlice", "pods": "a Pod"}
+
+
+def _bad(exc: BaseException, resource: str) -> str:
     """An answer's fault in the gateway's words: the exception's type, never its text,
     which may quote the answer."""
-    return f"not an EndpointSlice list or watch event ({type(exc).__name__})"
+    kind = KINDS.get(resource, resource)
+    return f"not {kind} list or watch event ({type(exc).__name__})"

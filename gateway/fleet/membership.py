@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from gateway.config import BackendsConfig, KubernetesConfig
 from gateway.contract.profiles import MaskProfile
@@ -19,14 +20,15 @@ from gateway.fleet.cache_aware import CacheAware, CacheAwareRules
 from gateway.fleet.discovery import (
     Discovery,
     DnsDiscovery,
-    EndpointSliceApi,
     KubernetesDiscovery,
+    ListWatchApi,
     Resolver,
     StaticDiscovery,
 )
 from gateway.fleet.etcd_state import EtcdState
 from gateway.fleet.health import HealthChecker, Prober
 from gateway.fleet.pd import PdRouting
+from gateway.fleet.pods import PodDiscovery
 from gateway.fleet.pool import BackendPool, EjectionRules, PoolRules
 from gateway.fleet.registry import WorkerRegistry
 from gateway.fleet.shared import Change, Document, SharedState
@@ -38,7 +40,16 @@ log = logging.getLogger("gateway.fleet.membership")
 class FleetClients(Prober, Protocol):
     """What the fleet asks of the network: probes, and the Kubernetes API."""
 
-    def endpoint_slices(self, cfg: KubernetesConfig) -> EndpointSliceApi: ...
+    def endpoint_slices(self, cfg: KubernetesConfig) -> ListWatchApi: ...
+
+    def pods(self, cfg: KubernetesConfig) -> ListWatchApi: ...
+
+
+class RoleSource(Protocol):
+    """Who says what each worker is (worker_type, bootstrap_port): the worker registry, or
+    the pods' labels and annotations."""
+
+    def extras(self, url: str) -> Mapping[str, Any]: ...
 
 
 def make_balancer(cfg: BackendsConfig, name: str | None = None) -> Balancer:
@@ -102,8 +113,8 @@ class Fleet:
         self.registry: WorkerRegistry | None = (
             WorkerRegistry(cfg.members, cfg.worker_roles()) if cfg.discovery == "registry" else None
         )
-        self._type()
         self.discovery: Discovery | None = None
+        self._type()
         self._discovery_task: asyncio.Task[None] | None = None
         self._health: HealthChecker | None = None
         self._clients: FleetClients | None = None
@@ -125,6 +136,19 @@ class Fleet:
         if cfg.discovery == "kubernetes":
             k = cfg.kubernetes
             assert k is not None
+            if k.roles:
+                return PodDiscovery(
+                    clients.pods(k),
+                    prefill_selector=k.prefill_selector,
+                    decode_selector=k.decode_selector,
+                    bootstrap_port_annotation=k.bootstrap_port_annotation,
+                    scheme=k.scheme,
+                    port=k.port,
+                    port_name=k.port_name,
+                    resync_s=k.resync_s,
+                    retry_base_s=k.retry_base_s,
+                    retry_max_s=k.retry_max_s,
+                )
             return KubernetesDiscovery(
                 clients.endpoint_slices(k),
                 scheme=k.scheme,
@@ -141,12 +165,15 @@ class Fleet:
         return StaticDiscovery(cfg.members)
 
     def _type(self) -> None:
-        """Each member's worker_type and bootstrap_port: as registered, else as
-        backends.prefill and backends.decode list it, else a regular worker."""
+        """Each member's worker_type and bootstrap_port: as registered (or as its pod's
+        labels say), else as backends.prefill and backends.decode list it, else a regular
+        worker."""
         roles = self.cfg.worker_roles()
-        registry = self.registry
+        source: RoleSource | None = self.registry
+        if source is None and isinstance(self.discovery, PodDiscovery):
+            source = self.discovery
         extras = {
-            b.url: {**roles.get(b.url, {}), **(registry.extras(b.url) if registry else {})}
+            b.url: {**roles.get(b.url, {}), **(source.extras(b.url) if source else {})}
             for b in self.pool.backends
         }
         engines.typed(

@@ -707,7 +707,9 @@ class FleetCollector(Collector):
             p + "discovery_errors",
             "Failed or empty discovery answers (the last good set was kept), by source and "
             "cause: unauthorized (401), forbidden (403), gone (410: an expired watch, relisted "
-            "at once), unreachable (no answer, or 5xx/408/429), bad_response, empty.",
+            "at once), unreachable (no answer, or 5xx/408/429), bad_response, empty; for "
+            "Kubernetes pods by role, once per pod: ambiguous_role (it matches both role "
+            "selectors), bad_annotation (its bootstrap-port annotation is no port).",
             labels=["source", "cause"],
         )
         failing = GaugeMetricFamily(

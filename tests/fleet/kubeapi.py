@@ -1,15 +1,19 @@
-"""A fake Kubernetes API server on loopback: EndpointSlice list and watch over real HTTP.
+"""A fake Kubernetes API server on loopback: EndpointSlice (or Pod) list and watch over
+real HTTP.
 
 Just enough of the API server for discovery, and the ways a real one refuses or fails: a
 token it does not accept (401), RBAC that does not grant the verb (403, with the Status the
 API server sends, naming the user and the missing permission), a watch whose resource
 version expired (410, as an ERROR event or as the watch's own status), a server answering
 an error status while it restarts, and a server that goes away and comes back on its port.
+Pods are filtered by the call's labelSelector (equality and `in` terms) as the API server
+filters them, so a selector that leaves a role out shows; slices are served as stored.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import orjson
@@ -38,11 +42,28 @@ def expired() -> dict[str, Any]:
     return status(410, "Expired", "too old resource version: 1 (5)")
 
 
+def selected(labels: dict[str, str], selector: str) -> bool:
+    """Whether a labelSelector of `k=v` and `k in (a,b)` terms selects these labels."""
+    for found in re.findall(r"[^,(]+(?:\([^)]*\))?", selector):
+        term = found.strip()
+        if " in (" in term:
+            key, values = term.split(" in (", 1)
+            if labels.get(key) not in values.rstrip(")").split(","):
+                return False
+        elif term:
+            key, _, value = term.partition("=")
+            if labels.get(key) != value:
+                return False
+    return True
+
+
 class FakeKubernetesApi:
-    def __init__(self, namespace: str = "llm") -> None:
+    def __init__(self, namespace: str = "llm", resource: str = "endpointslices") -> None:
         self.namespace = namespace
-        self.path = f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
-        self.slices: dict[str, dict[str, Any]] = {}
+        self.resource = resource
+        group = "/apis/discovery.k8s.io/v1" if resource == "endpointslices" else "/api/v1"
+        self.path = f"{group}/namespaces/{namespace}/{resource}"
+        self.slices: dict[str, dict[str, Any]] = {}  # the stored objects (slices, or pods)
         self.version = 1
         self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.lists = 0
@@ -96,10 +117,40 @@ class FakeKubernetesApi:
             "endpoints": eps,
         }
 
+    def pod(
+        self,
+        name: str,
+        ip: str,
+        labels: dict[str, str],
+        *,
+        ready: bool = True,
+        annotations: dict[str, str] | None = None,
+        port: int | None = None,
+    ) -> dict[str, Any]:
+        """A Pod as the API server shows it: Running, its Ready condition as `ready`."""
+        container: dict[str, Any] = {"name": "sglang"}
+        if port is not None:
+            container["ports"] = [{"name": "http", "containerPort": port, "protocol": "TCP"}]
+        return {
+            "metadata": {"name": name, "labels": labels, "annotations": annotations or {}},
+            "spec": {"containers": [container]},
+            "status": {
+                "phase": "Running",
+                "podIP": ip,
+                "podIPs": [{"ip": ip}],
+                "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+            },
+        }
+
     def put(self, item: dict[str, Any], kind: str = "MODIFIED") -> None:
         self.version += 1
         self.slices[item["metadata"]["name"]] = item
         self.events.put_nowait({"type": kind, "object": item})
+
+    def delete(self, name: str) -> None:
+        self.version += 1
+        item = self.slices.pop(name)
+        self.events.put_nowait({"type": "DELETED", "object": item})
 
     def expire_watch(self) -> None:
         """The running watch's resource version is compacted away: an ERROR event."""
@@ -111,14 +162,14 @@ class FakeKubernetesApi:
             if presented.removeprefix("Bearer ") not in self.tokens:
                 return web.json_response(status(401, "Unauthorized", "Unauthorized"), status=401)
         if verb not in self.granted:
+            group = "discovery.k8s.io" if self.resource == "endpointslices" else ""
+            qualified = f"{self.resource}.{group}" if group else self.resource
             message = (
-                f'endpointslices.discovery.k8s.io is forbidden: User "{SA_USER}" cannot {verb} '
-                f'resource "endpointslices" in API group "discovery.k8s.io" in the namespace '
+                f'{qualified} is forbidden: User "{SA_USER}" cannot {verb} '
+                f'resource "{self.resource}" in API group "{group}" in the namespace '
                 f'"{self.namespace}"'
             )
-            body = status(
-                403, "Forbidden", message, group="discovery.k8s.io", kind="endpointslices"
-            )
+            body = status(403, "Forbidden", message, group=group, kind=self.resource)
             return web.json_response(body, status=403)
         if self.fail_status is not None:
             body = status(
@@ -129,7 +180,8 @@ class FakeKubernetesApi:
 
     async def handler(self, request: web.Request) -> web.StreamResponse:
         self.auth.append(request.headers.get("Authorization"))
-        self.selectors.append(request.query.get("labelSelector", ""))
+        selector = request.query.get("labelSelector", "")
+        self.selectors.append(selector)
         verb = "watch" if request.query.get("watch") == "1" else "list"
         if verb == "list":
             self.lists += 1
@@ -141,11 +193,12 @@ class FakeKubernetesApi:
         if verb == "list":
             if self.hang_lists:
                 await asyncio.sleep(3600)
+            items = [i for i in self.slices.values() if self._selects(i, selector)]
             return web.json_response(
                 {
-                    "kind": "EndpointSliceList",
+                    "kind": "EndpointSliceList" if self.resource == "endpointslices" else "PodList",
                     "metadata": {"resourceVersion": str(self.version)},
-                    "items": list(self.slices.values()),
+                    "items": items,
                 }
             )
         if self.expire_watches > 0:
@@ -155,4 +208,14 @@ class FakeKubernetesApi:
         await resp.prepare(request)
         while True:
             event = await self.events.get()
+            obj = event.get("object")
+            if event["type"] != "ERROR" and not self._selects(obj, selector):
+                # What no longer matches the watch's selector leaves it, as the API server
+                # tells a watcher: a DELETED event.
+                event = {"type": "DELETED", "object": obj}
             await resp.write(orjson.dumps(event) + b"\n")
+
+    def _selects(self, item: Any, selector: str) -> bool:
+        if self.resource == "endpointslices" or not isinstance(item, dict):
+            return True
+        return selected((item.get("metadata") or {}).get("labels") or {}, selector)

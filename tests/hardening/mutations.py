@@ -767,8 +767,8 @@ MUTATIONS = [
     (
         "the API's Status message dropped from the log",
         "gateway/fleet/discovery.py",
-        "        return cls(cause_of_status(status), verb, status, api_message(payload))",
-        '        return cls(cause_of_status(status), verb, status, "")',
+        "        error = cls(cause_of_status(status), verb, status, api_message(payload))",
+        '        error = cls(cause_of_status(status), verb, status, "")',
         [
             "tests/fleet/test_discovery_errors.py::test_a_forbidden_list_names_the_user_and_the_missing_permission",
         ],
@@ -794,8 +794,8 @@ MUTATIONS = [
     (
         "an unreadable token file counted as unreachable",
         "gateway/edge/clients.py",
-        "                raise ApiError(\n                    UNAUTHORIZED, verb,",
-        "                raise ApiError(\n                    UNREACHABLE, verb,",
+        "                raise ApiError(\n                    UNAUTHORIZED,\n                    verb,",
+        "                raise ApiError(\n                    UNREACHABLE,\n                    verb,",
         [
             "tests/fleet/test_discovery_errors.py::test_a_token_file_that_cannot_be_read_is_unauthorized"
         ],
@@ -990,6 +990,61 @@ MUTATIONS = [
         "    name: sglang-workers.sglang.svc.cluster.local",
         "    name: sglang-workers.llm.svc.cluster.local",
         ["tests/test_cli.py::test_example_configs_name_the_namespace_the_manifests_use"],
+    ),
+    # -- Kubernetes PD discovery: pods by role label (gateway/fleet/pods.py) --------------
+    (
+        "a pod matching both role selectors given the first role",
+        "gateway/fleet/pods.py",
+        "        if len(roles) > 1:",
+        "        if False:",
+        [
+            "tests/fleet/test_pd_discovery.py::test_a_pod_matching_both_selectors_or_with_a_bad_annotation_is_refused_once"
+        ],
+    ),
+    (
+        "a refused pod counted again on every event and relist",
+        "gateway/fleet/pods.py",
+        "        if self._refused.get(name) == cause:",
+        "        if False:",
+        [
+            "tests/fleet/test_pd_discovery.py::test_a_pod_matching_both_selectors_or_with_a_bad_annotation_is_refused_once"
+        ],
+    ),
+    (
+        "the bootstrap-port annotation not read",
+        "gateway/fleet/pods.py",
+        '            extras["bootstrap_port"] = port',
+        '            extras["bootstrap_port"] = None',
+        [
+            "tests/fleet/test_pd_discovery.py::test_pods_of_both_roles_are_paired_and_a_deleted_or_unready_pod_leaves_its_role"
+        ],
+    ),
+    (
+        "a pod that changed role but not URL not retyped",
+        "gateway/fleet/pods.py",
+        "            self._last = None",
+        "            pass",
+        [
+            "tests/fleet/test_pd_discovery.py::test_pods_of_both_roles_are_paired_and_a_deleted_or_unready_pod_leaves_its_role"
+        ],
+    ),
+    (
+        "an unready pod kept in its role",
+        "gateway/fleet/pods.py",
+        "        if not ready(item):",
+        "        if False:",
+        [
+            "tests/fleet/test_pd_discovery.py::test_pods_of_both_roles_are_paired_and_a_deleted_or_unready_pod_leaves_its_role"
+        ],
+    ),
+    (
+        "the API's selector names only the prefill pods",
+        "gateway/config/models.py",
+        "    for key in sorted(prefill.keys() & decode.keys()):",
+        "    for key in sorted(prefill.keys()):",
+        [
+            "tests/fleet/test_pd_discovery.py::test_pods_of_both_roles_are_paired_and_a_deleted_or_unready_pod_leaves_its_role"
+        ],
     ),
     # -- Hardening III: loop stalls with large bodies ------------------------------
     (
