@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.edge.etcd import EtcdClient
@@ -28,6 +29,9 @@ from tests.etcd import EtcdServer, etcd  # noqa: F401 - the fixture
 GEN = orjson.dumps({"text": "x", "sampling_params": {"max_new_tokens": 2}})
 JSON = {"Content-Type": "application/json"}
 PREFIX = "/replicas-test/"
+# Three gateway processes and a real etcd per test, a 10 s etcd outage and lease expiries
+# among them: in the bounded suite, not the inner loop.
+pytestmark = pytest.mark.heavy
 
 
 def config(etcd_url: str, seed: str, extra: str = "", lease_ttl_s: int = 3) -> str:
