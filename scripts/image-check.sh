@@ -112,11 +112,13 @@ if docker info >/dev/null 2>&1; then
   step "using the running Docker daemon ($(docker info -f '{{.ServerVersion}}'))"
 else
   [ "$(id -u)" = 0 ] || skip "no Docker daemon answers and only root can start one"
-  mkdir -p "$STATE" "$RUN_DIR"
-  own_run_dir=1
-  # One run at a time per data root: a second dockerd cannot share it.
+  mkdir -p "$STATE"
+  # One run at a time per data root: a second dockerd cannot share it. The run directory
+  # is made only once the lock is held, because the run before removes it on its way out.
   exec 9>"$STATE/lock"
   flock -w 1800 9 || fail "$STATE/lock still held after 30 min"
+  mkdir -p "$RUN_DIR"
+  own_run_dir=1
   export DOCKER_HOST="unix://$RUN_DIR/docker.sock"
   why=""
   # overlay2 where the kernel and the backing filesystem allow it, else vfs (slow, but
