@@ -21,7 +21,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 STATE=${IMAGE_CHECK_STATE:-/var/lib/sglang-gateway-image-check}
-RUN_DIR=/run/sglang-gateway-image-check  # short: containerd's socket path must stay < 108
+# One run directory per data root, so the lock that guards the data root guards it too; short,
+# because containerd's socket path under it must stay under 108 bytes.
+RUN_DIR=/run/sglang-gateway-image-check-$(printf '%s' "$STATE" | sha256sum | cut -c1-8)
 BASE_LOCAL=sglang-gateway-base:local
 IMAGE=sglang-gateway:image-check
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
