@@ -17,9 +17,9 @@ from typing import Any, Final
 
 import orjson
 
-from gateway.contract import scan
-from gateway.contract.adapters import LORA_KEY, requested_adapters
+from gateway.contract.adapters import requested_adapters
 from gateway.contract.jsonview import Head, read_view
+from gateway.contract.keyscan import keys_for, may_name
 from gateway.contract.policy import (
     READS,
     SHAPE_ONLY,
@@ -134,100 +134,6 @@ def parse_object(
     return obj
 
 
-_MASK_KEY: Final = b"return_sampling_mask"
-_BACKSLASH: Final = b"\\"
-_U: Final = ord("u")
-# Past this many escapes a full read at C speed is cheaper than walking them one by one in
-# Python.
-_MAX_ESCAPES_WALKED: Final = 64
-# A literal key is a quote, the key, a quote and (after blanks) a colon. CPython searches the
-# 20-byte key at about 1.8 GB/s over token ids, memchr finds a quote at about 45: so over a
-# body with few strings the key is looked for after each quote instead (627 KB of ids:
-# 351 -> 13 us). A body with many strings goes over to the key search after this many
-# quotes, and a small one is searched at once (the search's fixed cost is below a walk's).
-_QUOTE: Final = b'"'
-_QUOTED_KEY: Final = _MASK_KEY + _QUOTE
-_QUOTED_LEN: Final = len(_QUOTED_KEY)
-_MAX_QUOTES_WALKED: Final = 32
-_QUOTE_WALK_FROM: Final = 4096
-_COLON: Final = ord(":")
-_BLANKS_BEFORE_COLON: Final = 64
-
-
-def may_hold_mask_key(body: bytes) -> bool:
-    """False only when the body provably has no `return_sampling_mask` key.
-
-    JSON spells a key either literally or with escapes; the key is all lowercase letters and
-    underscores, which no escape but `\\uXXXX` can produce. So a body holding neither the
-    literal key nor any `\\u` escape cannot name it, in any spelling, at any depth.
-
-    Escapes are walked from one backslash to the next: in JSON text a backslash only occurs
-    inside a string, where it opens an escape of one character (or `u` and four hex digits,
-    never a backslash), so stepping two bytes past each one keeps the walk aligned and an
-    escaped backslash followed by `u` is not taken for an escape. A body that is not JSON
-    may be misjudged, but SGLang refuses such a body itself. (A scan for the two-byte `\\u`
-    would be simpler, but CPython searches a two-byte needle far slower than it finds one
-    byte with memchr.)
-    """
-    # Escapes first: a body rich in them is read anyway, without also searching for the key.
-    find = body.find
-    at = find(_BACKSLASH)
-    for _ in range(_MAX_ESCAPES_WALKED):
-        if at < 0:
-            break
-        if at + 1 < len(body) and body[at + 1] == _U:
-            return True
-        at = find(_BACKSLASH, at + 2)
-    else:
-        if at >= 0:
-            return True  # still more escapes: read it rather than walk on
-    if len(body) < _QUOTE_WALK_FROM:
-        return _MASK_KEY in body
-    find = body.find
-    at = find(_QUOTE)
-    for _ in range(_MAX_QUOTES_WALKED):
-        if at < 0:
-            return False
-        if body.startswith(_QUOTED_KEY, at + 1) and _colon_follows(body, at + _QUOTED_LEN + 1):
-            return True
-        at = find(_QUOTE, at + 1)
-    return at >= 0 and find(_QUOTED_KEY, at) >= 0
-
-
-async def may_hold_mask_key_sliced(body: bytes) -> bool:
-    """may_hold_mask_key, its searches a slice at a time (gateway/contract/scan.py): over a
-    64 MiB body the search for the key alone held the loop for 25 ms."""
-    at = await scan.find(body, _BACKSLASH, 0)
-    for _ in range(_MAX_ESCAPES_WALKED):
-        if at < 0:
-            break
-        if at + 1 < len(body) and body[at + 1] == _U:
-            return True
-        at = await scan.find(body, _BACKSLASH, at + 2)
-    else:
-        if at >= 0:
-            return True
-    if len(body) < _QUOTE_WALK_FROM:
-        return _MASK_KEY in body
-    at = await scan.find(body, _QUOTE, 0)
-    for _ in range(_MAX_QUOTES_WALKED):
-        if at < 0:
-            return False
-        if body.startswith(_QUOTED_KEY, at + 1) and _colon_follows(body, at + _QUOTED_LEN + 1):
-            return True
-        at = await scan.find(body, _QUOTE, at + 1)
-    return at >= 0 and await scan.contains(body, _QUOTED_KEY, at)
-
-
-def _colon_follows(body: bytes, past: int) -> bool:
-    """A colon comes next after blanks: the string that ended before `past` is a key."""
-    m = scan.BLANKS.match(body, past, past + _BLANKS_BEFORE_COLON)
-    colon = past if m is None else m.end()
-    if colon == past + _BLANKS_BEFORE_COLON:
-        return True  # a long run of blanks: count it as a key rather than walk them here
-    return colon < len(body) and body[colon] == _COLON
-
-
 def inspect_body(
     kind: Kind,
     body: bytes,
@@ -247,14 +153,11 @@ def inspect_body(
     `rids`, when given, receives the body's request ids (policy.request_ids); a skipped
     body's are read by a walk of its structure (gateway/contract/rids.py), and one whose
     rid that walk cannot vouch for is parsed and judged after all. `adapters` receives the
-    LoRA adapters it names (contract/adapters.py); a body that spells `lora_path` is parsed
-    for them even with `skip_parse_without_key`.
+    LoRA adapters it names (contract/adapters.py); a body that may name one (`lora_path`, or
+    a `model` written `base:adapter` on the OpenAI routes) is parsed for them even with
+    `skip_parse_without_key`. Which keys prevent the skip: gateway/contract/keyscan.py.
     """
-    if (
-        skip_parse_without_key
-        and not may_hold_mask_key(body)
-        and (adapters is None or LORA_KEY not in body)
-    ):
+    if skip_parse_without_key and not may_name(body, keys_for(kind, adapters is not None)):
         if rids is None:
             return None
         found = top_level_rids(body)

@@ -118,14 +118,20 @@ async def count(body: bytes, byte: bytes, start: int = 0, end: int | None = None
 
 async def contains(body: bytes, needle: bytes, start: int = 0) -> bool:
     """`needle in body[start:]`."""
+    return await find_substring(body, needle, start) >= 0
+
+
+async def find_substring(body: bytes, needle: bytes, start: int = 0) -> int:
+    """body.find(needle, start) for a needle of any length."""
     step = max(SUBSTRING_SLICE, 2 * len(needle))
     at = start
     while True:
         upto = min(at + step, len(body))
-        if body.find(needle, at, upto) >= 0:
-            return True
+        where = body.find(needle, at, upto)
+        if where >= 0:
+            return where
         if upto >= len(body):
-            return False
+            return -1
         at = upto - len(needle) + 1  # a needle that starts in this slice may end in the next
         await pause()
 

@@ -13,13 +13,12 @@ from __future__ import annotations
 from typing import Final
 
 from gateway.contract import scan
-from gateway.contract.adapters import LORA_KEY
 from gateway.contract.inspection import (
     ORJSON_SENSITIVE,
     judge,
-    may_hold_mask_key_sliced,
     parse_object,
 )
+from gateway.contract.keyscan import keys_for, may_name_sliced
 from gateway.contract.policy import (
     READS,
     SHAPE_ONLY,
@@ -49,10 +48,8 @@ async def inspect_large(
     """inspect_body for any size: long integer arrays in shape-only fields are validated
     without being parsed (gateway/contract/skim.py), and the parse waits for its share of the
     inspection budget (gateway/edge/budget.py)."""
-    if (
-        skip_parse_without_key
-        and not await may_hold_mask_key_sliced(body)
-        and (adapters is None or not await scan.contains(body, LORA_KEY))
+    if skip_parse_without_key and not await may_name_sliced(
+        body, keys_for(kind, adapters is not None)
     ):
         if rids is None:
             return None

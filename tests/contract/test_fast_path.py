@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.contract import inspection, scan
-from gateway.contract.inspection import inspect_body, may_hold_mask_key, may_hold_mask_key_sliced
+from gateway.contract import keyscan, scan
+from gateway.contract.inspection import inspect_body
+from gateway.contract.keyscan import keys_for, may_name, may_name_sliced
 from gateway.contract.policy import MASK_MESSAGE, BodyRules, resolve
 from gateway.contract.routes import Kind
 from gateway.testing.stub import StubBackend
@@ -19,6 +20,14 @@ from tests.conftest import GatewayFactory, gw_url
 from tests.property_scale import examples
 
 KEY = "return_sampling_mask"
+
+
+def may_hold_mask_key(body: bytes) -> bool:
+    return may_name(body, keyscan.MASK)
+
+
+async def may_hold_mask_key_sliced(body: bytes) -> bool:
+    return await may_name_sliced(body, keyscan.MASK)
 
 
 def spell(key: str, escaped: list[bool], upper_hex: bool) -> bytes:
@@ -141,7 +150,7 @@ def test_mask_key_scan(body: bytes, may_hold: bool) -> None:
 # -- bodies large enough for the quote walk ------------------------------------------------
 
 IDS = b"[" + b",".join(str(100 + i).encode() for i in range(2000)) + b"]"
-assert len(IDS) > inspection._QUOTE_WALK_FROM
+assert len(IDS) > keyscan._QUOTE_WALK_FROM
 
 
 def both_scans(body: bytes) -> bool:
@@ -181,7 +190,7 @@ MANY = b", ".join([b'"t"'] * 40)  # more quotes than the walk takes before the k
     ],
 )
 def test_mask_key_scan_of_a_large_body(body: bytes, may_hold: bool) -> None:
-    assert len(body) >= inspection._QUOTE_WALK_FROM
+    assert len(body) >= keyscan._QUOTE_WALK_FROM
     assert both_scans(body) is may_hold
     if may_hold is False and body.endswith(b"}"):
         assert not has_key(orjson.loads(body))
@@ -218,7 +227,7 @@ def test_the_key_at_the_edge_of_the_quote_walk(before: int) -> None:
     body = b'{"a": [' + _strings(before) + b"], " + key + b', "x": ' + IDS + b"}"
     quote = body.count(b'"', 0, body.index(key)) + 1
     assert quote == 3 + 2 * before
-    assert (quote <= inspection._MAX_QUOTES_WALKED) is (before == 14)
+    assert (quote <= keyscan._MAX_QUOTES_WALKED) is (before == 14)
     assert both_scans(body) is True
 
 
@@ -229,7 +238,7 @@ def test_blanks_before_the_colon_at_the_walks_limit(blanks: int, may_hold: bool)
     # The same blanks after a value are no key; from the walk's limit on they are not walked
     # and the body is read instead (a parse decides): never a miss, at worst a parse.
     value = b'{"text": "return_sampling_mask"' + b" " * blanks + b', "input_ids": ' + IDS + b"}"
-    assert both_scans(value) is (blanks >= inspection._BLANKS_BEFORE_COLON)
+    assert both_scans(value) is (blanks >= keyscan._BLANKS_BEFORE_COLON)
 
 
 def test_the_key_across_a_slice_boundary_of_the_sliced_scan() -> None:
@@ -245,3 +254,56 @@ def test_the_key_across_a_slice_boundary_of_the_sliced_scan() -> None:
             assert start + into == slice_at, (slice_at, into)
             assert both_scans(body) is True
             assert both_scans(body.replace(key, b'"return_sampling_masks": 1')) is False
+
+
+# -- the adapter keys, asked in the same walk -----------------------------------------------
+
+ADAPTERS = keys_for(Kind.GENERATE, adapters=True)
+MODELS = keys_for(Kind.CHAT, adapters=True)
+
+
+def scans_with(body: bytes, keys: keyscan.Keys) -> bool:
+    found = may_name(body, keys)
+    assert asyncio.run(may_name_sliced(body, keys)) is found
+    return found
+
+
+@pytest.mark.parametrize("pad", [b"", b', "x": ' + IDS, b', "texts": [' + MANY + b'], "x": ' + IDS])
+@pytest.mark.parametrize(
+    ("fields", "generate", "chat"),
+    [
+        (b'"lora_path": "A"', True, True),
+        (b'"lora_path" : ["A", null]', True, True),
+        (b'"model": "base:A"', False, True),
+        (b'"model" :\n "base"', False, False),
+        (b'"model": "base"', False, False),
+        (b'"model": null', False, True),  # not a plain string: read it
+        (b'"model": "' + b"m" * 600 + b'"', False, True),  # too long to judge here
+        (b'"text": "model", "n": 1', False, False),  # the word as a value is no key
+        (b'"return_sampling_mask": 1', True, True),
+        (b'"top_k": 5', False, False),
+    ],
+)
+def test_adapter_keys_share_the_walk(fields: bytes, generate: bool, chat: bool, pad: bytes) -> None:
+    body = b"{" + fields + pad + b"}"
+    assert scans_with(body, ADAPTERS) is generate, body
+    assert scans_with(body, MODELS) is chat, body
+    if not chat and pad:
+        assert may_name(body, keyscan.MASK) is False
+
+
+def test_the_mask_alone_ignores_adapter_keys() -> None:
+    body = b'{"lora_path": "A", "model": "b:A", "input_ids": ' + IDS + b"}"
+    assert scans_with(body, keyscan.MASK) is False
+    assert keys_for(Kind.COMPLETIONS, adapters=False) is keyscan.MASK
+
+
+def test_model_said_too_often_past_the_walk_is_read() -> None:
+    """Past the walk each `"model"` string is judged; past eight of them the body is read."""
+    said = b", ".join([b'"model"'] * 8)
+    body = (
+        b'{"texts": [' + MANY + b"], " + b'"w": [' + said + b'], "model": "b", "x": ' + IDS + b"}"
+    )
+    assert scans_with(body, MODELS) is True
+    fewer = body.replace(said, b", ".join([b'"model"'] * 6), 1)
+    assert scans_with(fewer, MODELS) is False

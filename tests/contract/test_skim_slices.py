@@ -21,7 +21,8 @@ import pytest
 
 from gateway.contract import scan
 from gateway.contract import skim as sk
-from gateway.contract.inspection import may_hold_mask_key, may_hold_mask_key_sliced
+from gateway.contract.keyscan import MASK, keys_for, may_name, may_name_sliced
+from gateway.contract.routes import Kind
 from gateway.edge import budget
 
 SHAPE = frozenset({"input_ids", "input_embeds"})
@@ -412,6 +413,8 @@ async def test_the_sliced_key_search_and_cost_answer_as_one_call(
     rng = random.Random(11)
     monkeypatch.setattr(budget, "_FLAT_BELOW", 8)
     spellings = [b"return_sampling_mask", b"return_sampling_mas", b"\\u0072eturn", b"\\\\u"]
+    spellings += [b'"lora_path"', b'"model": "b:A"', b'"model": "b"', b'"model"']
+    keysets = [MASK, keys_for(Kind.GENERATE, adapters=True), keys_for(Kind.CHAT, adapters=True)]
     for i in range(3000):
         if i % 25 == 0:
             _shrink_slices(monkeypatch, rng)
@@ -421,5 +424,6 @@ async def test_the_sliced_key_search_and_cost_answer_as_one_call(
         if rng.random() < 0.3:
             parts.insert(0, b"\\n" * rng.randrange(60, 70))  # about the walk's 64 escapes
         body = b"".join(parts)
-        assert await may_hold_mask_key_sliced(body) is may_hold_mask_key(body), body
+        keys = rng.choice(keysets)
+        assert await may_name_sliced(body, keys) is may_name(body, keys), body
         assert await budget.parse_cost_sliced(body) == budget.parse_cost(body), body

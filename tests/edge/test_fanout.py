@@ -309,6 +309,34 @@ async def test_large_and_unparsed_bodies_are_routed_by_their_adapter(
     assert generations(stubs[1]) == generations(stubs[2]) == []
 
 
+async def test_unparsed_chat_bodies_are_routed_by_the_adapter_their_model_names(
+    stubs: list[StubBackend], make_gateway: GatewayFactory
+) -> None:
+    """With the RL profile's skip of the parse, a chat body whose `model` names an adapter
+    (`base:adapter`) is still read for it, small or past the quote walk (many strings before
+    the model), while one naming the plain base model may go anywhere."""
+    stubs[0].adapters["A"] = "/adapters/A"
+    many = [{"role": "user", "content": f"turn {i}"} for i in range(40)]
+    small = {"model": "stub-model:A", "messages": many[:1]}
+    large = {"messages": many * 4, "model": "stub-model:A"}
+    assert len(orjson.dumps(large)) > 4096
+    gw = await make_gateway(*[s.url for s in stubs], policy={"skip_parse_without_mask_key": True})
+    async with aiohttp.ClientSession() as s:
+        for body in (small, large) * 3:
+            assert (await post(s, gw, "/v1/chat/completions", body))[0] == 200
+        for body in ({**small, "model": "stub-model"}, {**large, "model": "stub-model"}) * 6:
+            assert (await post(s, gw, "/v1/chat/completions", body))[0] == 200
+
+    def chats(stub: StubBackend) -> list[str]:
+        return [
+            orjson.loads(r.body)["model"] for r in proxied(stub) if r.path == "/v1/chat/completions"
+        ]
+
+    assert chats(stubs[0]).count("stub-model:A") == 6
+    assert "stub-model:A" not in chats(stubs[1]) + chats(stubs[2])
+    assert chats(stubs[1]) and chats(stubs[2])  # the base model spread over the others too
+
+
 # -- prefill and decode workers ----------------------------------------------------------------
 
 

@@ -1212,10 +1212,27 @@ MUTATIONS = [
     ),
     (
         "an unparsed body's adapter is not seen",
-        "gateway/contract/inspection.py",
-        "and (adapters is None or LORA_KEY not in body)",
-        "and True",
+        "gateway/contract/keyscan.py",
+        "_WITH_ADAPTERS: Final = Keys((MASK_KEY, LORA_KEY))",
+        "_WITH_ADAPTERS: Final = Keys((MASK_KEY,))",
         ["tests/edge/test_fanout.py::test_large_and_unparsed_bodies_are_routed_by_their_adapter"],
+    ),
+    (
+        "an unparsed chat body's base:adapter model is not seen",
+        "gateway/contract/keyscan.py",
+        "    return _MODEL_VALUE.match(body, colon + 1, end) is None",
+        "    return False",
+        [
+            "tests/edge/test_fanout.py::"
+            "test_unparsed_chat_bodies_are_routed_by_the_adapter_their_model_names"
+        ],
+    ),
+    (
+        "the quote walk skips the model key",
+        "gateway/contract/keyscan.py",
+        "        if keys.model and _names_adapter(body, past):",
+        "        if False:",
+        ["tests/contract/test_fast_path.py::test_adapter_keys_share_the_walk"],
     ),
     (
         "a prefill worker takes plain traffic",
