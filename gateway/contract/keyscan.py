@@ -87,39 +87,18 @@ def keys_for(kind: Kind, adapters: bool) -> Keys:
     return _WITH_MODEL_ADAPTERS if kind is Kind.CHAT or kind is Kind.COMPLETIONS else _WITH_ADAPTERS
 
 
-# A search the walk asks for: (needle, start, end); it is told where the needle first starts
-# in body[start:end], or -1. A needle of more than one byte is only ever searched to the end.
-_Search = tuple[bytes, int, int]
-_Walk = Generator[_Search, int, bool]
+_Walk = Generator[scan.Search, int, bool]
 
 
 def may_name(body: bytes, keys: Keys = MASK) -> bool:
     """False only when the body provably names none of `keys`."""
-    walk = _walk(body, keys)
-    try:
-        needle, start, end = next(walk)
-        while True:
-            needle, start, end = walk.send(body.find(needle, start, end))
-    except StopIteration as done:
-        found: bool = done.value
-        return found
+    return scan.run_walk(_walk(body, keys), body)
 
 
 async def may_name_sliced(body: bytes, keys: Keys = MASK) -> bool:
     """may_name, its searches a slice at a time: over a 64 MiB body the search for one key
     alone held the loop for 25 ms."""
-    walk = _walk(body, keys)
-    try:
-        needle, start, end = next(walk)
-        while True:
-            if len(needle) == 1:
-                at = await scan.find(body, needle, start, end)
-            else:
-                at = await scan.find_substring(body, needle, start)
-            needle, start, end = walk.send(at)
-    except StopIteration as done:
-        found: bool = done.value
-        return found
+    return await scan.run_walk_sliced(_walk(body, keys), body)
 
 
 def _walk(body: bytes, keys: Keys) -> _Walk:
@@ -160,7 +139,7 @@ def _walk(body: bytes, keys: Keys) -> _Walk:
     return keys.model and (yield from _models(body, at))
 
 
-def _models(body: bytes, start: int) -> Generator[_Search, int, bool]:
+def _models(body: bytes, start: int) -> Generator[scan.Search, int, bool]:
     """Whether a `model` key from `start` on may name an adapter; one that says `model` too
     often is read rather than judged."""
     needle = _QUOTE + MODEL_KEY + _QUOTE

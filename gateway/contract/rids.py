@@ -59,10 +59,7 @@ _VALUE: Final = re.compile(
 )
 _ITEM: Final = re.compile(rb'"([^"\\]*)"')
 
-# A search the walk asks for: (needle, start, end); it is told where the needle first starts
-# in body[start:end], or -1. A needle of more than one byte is only ever searched to the end.
-_Search = tuple[bytes, int, int]
-_Walk = Generator[_Search, int, list[str] | None]
+_Walk = Generator[scan.Search, int, list[str] | None]
 
 
 def top_level_rids(body: bytes) -> list[str] | None:
@@ -70,32 +67,14 @@ def top_level_rids(body: bytes) -> list[str] | None:
     cannot be read without a parse."""
     if len(body) < _WALK_FROM:
         return _parsed(body)
-    walk = _walk(body)
-    try:
-        needle, start, end = next(walk)
-        while True:
-            needle, start, end = walk.send(body.find(needle, start, end))
-    except StopIteration as done:
-        rids: list[str] | None = done.value
-        return rids
+    return scan.run_walk(_walk(body), body)
 
 
 async def top_level_rids_sliced(body: bytes) -> list[str] | None:
     """top_level_rids, its searches a slice at a time (a multi-MB body)."""
     if len(body) < _WALK_FROM:
         return _parsed(body)
-    walk = _walk(body)
-    try:
-        needle, start, end = next(walk)
-        while True:
-            if len(needle) == 1:
-                at = await scan.find(body, needle, start, end)
-            else:  # found or not is all the walk asks of it
-                at = start if await scan.contains(body, needle, start) else -1
-            needle, start, end = walk.send(at)
-    except StopIteration as done:
-        rids: list[str] | None = done.value
-        return rids
+    return await scan.run_walk_sliced(_walk(body), body)
 
 
 def _parsed(body: bytes) -> list[str]:
@@ -160,7 +139,7 @@ _OUT_OF_STEPS: Final = -2
 _LONGEST_RID: Final = 3 * 6 + 2
 
 
-def _string_end(body: bytes, start: int, budget: list[int]) -> Generator[_Search, int, int]:
+def _string_end(body: bytes, start: int, budget: list[int]) -> Generator[scan.Search, int, int]:
     """Where the string opened by the quote at `start` closes: at the first quote after it
     that no escaping backslash precedes (_UNTERMINATED: none; _OUT_OF_STEPS: the walk's
     budget ran out)."""
@@ -193,7 +172,7 @@ def _names_rid(body: bytes, start: int, end: int) -> bool:
 
 def _top_level(
     body: bytes, spans: list[int], k: int, walked: int, budget: list[int]
-) -> Generator[_Search, int, bool | None]:
+) -> Generator[scan.Search, int, bool | None]:
     """Whether the key whose quotes are spans[k], spans[k + 1] is one brace deep: the braces
     outside strings before it open one more than they close, or (when every string after it
     is known) those after it close one more than they open. Counted on the side with fewer
