@@ -303,6 +303,9 @@ def _log_uncaught(kind: type[BaseException], exc: BaseException, tb: TracebackTy
 
 _second: int = -1
 _second_text: str = ""
+# The millisecond part and the zone, one string per millisecond: formatting `:03d` for
+# each line showed in a profile of the access log.
+_MILLIS: Final = tuple(f".{milli:03d}Z" for milli in range(1000))
 
 
 def timestamp(epoch: float | None = None) -> str:
@@ -318,4 +321,5 @@ def timestamp(epoch: float | None = None) -> str:
     if whole != _second:
         _second_text = datetime.fromtimestamp(whole, UTC).strftime("%Y-%m-%dT%H:%M:%S")
         _second = whole
-    return f"{_second_text}.{int((epoch - whole) * 1000):03d}Z"
+    # epoch - whole is exact and below 1, so the index is 0..999.
+    return _second_text + _MILLIS[int((epoch - whole) * 1000)]

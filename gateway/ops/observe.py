@@ -116,10 +116,8 @@ class AccessLog:
             "bytes_in": ex.bytes_in,
             "bytes_out": ex.bytes_out,
             "streamed": ex.streamed,
-            "ttfb_ms": None
-            if ex.first_byte is None
-            else round((ex.first_byte - ex.started) * 1000, 3),
-            "duration_ms": round((end - ex.started) * 1000, 3),
+            "ttfb_ms": None if ex.first_byte is None else _ms(ex.first_byte - ex.started),
+            "duration_ms": _ms(end - ex.started),
             "user_agent": ex.user_agent or None,
         }
         trace = trace_id(ex.traceparent)
@@ -166,3 +164,10 @@ def trace_id(traceparent: str) -> str:
     if m is None or m.group(1) == _ZERO_TRACE:
         return ""
     return m.group(1)
+
+
+def _ms(seconds: float) -> float:
+    """Seconds as milliseconds with three decimals: round(x, 3) on the access log's two
+    durations showed in a profile of a small request; integer rounding gives the same
+    figure for the non-negative durations logged here."""
+    return int(seconds * 1_000_000 + 0.5) / 1000
