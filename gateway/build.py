@@ -23,15 +23,9 @@ from typing import Final
 # literal). Chosen by a py-spy profile of the small-request path (docs/bench.md, "The
 # compiled build"): every module with a measurable share of the gateway's own time per
 # request, and nothing else. Left out on purpose, and why:
-#   - contract/jsonview.py: `Head` subclasses list to answer len() with the length of an
-#     array it does not hold; mypyc cannot compile such a class natively, and the module's
-#     time is in simdjson's C++ parser anyway.
-#   - contract/policy.py, contract/inspection.py: they read Heads. Compiled, len(x), bool(x)
-#     and iteration of a value narrowed to `list` read the list's C struct and bypass Head's
-#     methods: len() of a Head standing for 100,000 input ids is 1, and iterating it yields
-#     one element instead of raising (mypyc 2.4.1). Tried: compiled, the policy takes a
-#     batch of two for a single request and forwards a mask it must refuse
-#     (tests/contract/test_policy.py, test_generate_batch, catches it).
+#   - contract/jsonview.py: its time is in simdjson's C++ parser, and it keeps the shared
+#     parser reusable by dropping its last proxy of a document at a known point (`del doc`),
+#     which compiled code's temporaries need not honour.
 #   - edge/failures.py: a compiled exception class breaks `except A as exc: ...  except B
 #     as exc:` in compiled code (mypyc/mypyc#620: the variable gets A's type, and a B raises
 #     TypeError), which Proxy._forward does; none of its code runs per request.
@@ -41,7 +35,12 @@ from typing import Final
 #     annotations that must hold of the real objects at run time (mypyc checks them), for
 #     nothing.
 HOT_MODULES: Final = (
+    "gateway.contract.adapters",
+    "gateway.contract.inspection",
+    "gateway.contract.lax",
+    "gateway.contract.policy",
     "gateway.contract.routes",
+    "gateway.contract.shapes",
     "gateway.edge.budget",
     "gateway.edge.fleet_control",
     "gateway.edge.headers",

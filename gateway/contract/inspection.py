@@ -18,7 +18,7 @@ from typing import Any, Final
 import orjson
 
 from gateway.contract.adapters import requested_adapters
-from gateway.contract.jsonview import Head, read_view
+from gateway.contract.jsonview import read_view
 from gateway.contract.keyscan import keys_for, may_name
 from gateway.contract.policy import (
     READS,
@@ -30,6 +30,7 @@ from gateway.contract.policy import (
 )
 from gateway.contract.rids import top_level_rids
 from gateway.contract.routes import Kind
+from gateway.contract.shapes import Head, first_of, length_of
 from gateway.contract.skim import Skimmed
 
 _JSON_SUBTYPE: Final = "json"
@@ -129,8 +130,9 @@ def parse_object(
     if skimmed is not None:
         for key, extra in skimmed.extra_elements.items():
             value = obj.get(key)
-            if isinstance(value, list) and value:
-                obj[key] = Head(value[0], len(value) + extra)
+            length = length_of(value)
+            if length > 0:
+                obj[key] = Head(first_of(value), length + extra)
     return obj
 
 

@@ -19,11 +19,12 @@ The view must read every body exactly as orjson would, or a filter could be bypa
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any, Final
 
 import orjson
 import simdjson
+
+from gateway.contract.shapes import Head
 
 # A parser keeps its buffers between documents; one per process (the event loop is its only
 # user, and a view never outlives the synchronous check that reads it). Bodies above this
@@ -37,28 +38,7 @@ _BLANK: Final = b" \t\r\n"
 _HEAD_DEPTH: Final = 3
 
 
-class Head(list[Any]):
-    """Stands for a large array the policy reads only for its length and first element.
-
-    It holds just the first element (itself a Head when that is an array) and answers
-    len() and truthiness with the real length. Iterating one is a bug in the caller, so it
-    raises instead of silently yielding one element.
-    """
-
-    __slots__ = ("_length",)
-
-    def __init__(self, first: Any, length: int) -> None:
-        super().__init__((first,))
-        self._length = length
-
-    def __len__(self) -> int:
-        return self._length
-
-    def __iter__(self) -> Iterator[Any]:
-        raise TypeError("a Head stands for an array that was not materialised")
-
-
-def _head(array: simdjson.Array, depth: int) -> list[Any]:
+def _head(array: simdjson.Array, depth: int) -> Head | list[Any]:
     length = len(array)
     if length == 0:
         return []
@@ -85,7 +65,7 @@ def read_view(
 
     fields: the top-level keys the policy reads (None: all of them); others are validated
     but left out. shape_only: keys whose array values the policy reads only for length and
-    first element; they come back as Heads.
+    first element; they come back as Heads (gateway/contract/shapes.py).
 
     Raises orjson.JSONDecodeError exactly where orjson would, and returns orjson's own
     reading (whole) whenever the fast path cannot vouch for reading the body the same way.

@@ -18,6 +18,7 @@ from typing import Any, Final, TypeAlias, assert_never
 from gateway.contract.lax import TOP_K_ALL, Invalid, is_greedy, lax_bool, lax_int, plain_int
 from gateway.contract.profiles import FINITE_TOP_K_MESSAGE, LEGACY, MaskItem, MaskProfile
 from gateway.contract.routes import Kind
+from gateway.contract.shapes import first_of, length_of
 
 # SGLang 0.5.19 (PR #35205), the exact text clients and SGLang's own tests look for.
 MASK_MESSAGE: Final = FINITE_TOP_K_MESSAGE
@@ -418,18 +419,20 @@ def _batch_size(body: Mapping[str, Any], *, raw: bool = False) -> int | None:
     text = body.get("text")
     if text is not None:
         return len(text) if isinstance(text, list) else None
+    # input_ids and input_embeds may be Heads (gateway/contract/shapes.py): read through
+    # length_of and first_of only.
     value = body.get("input_ids")
     if value is not None:
-        return len(value) if isinstance(value, list) and value and _is_list(value[0]) else None
+        size = length_of(value)
+        return size if size > 0 and length_of(first_of(value)) >= 0 else None
     embeds = body.get("input_embeds")
-    first = embeds[0] if isinstance(embeds, list) and embeds else None
-    if isinstance(embeds, list) and isinstance(first, list) and first:
-        if raw and not isinstance(first[0], float):
-            return len(embeds)
-        if _is_list(first[0]):
-            return len(embeds)
+    size = length_of(embeds)
+    if size > 0:
+        first = first_of(embeds)
+        if length_of(first) > 0:
+            inner = first_of(first)
+            if raw and not isinstance(inner, float):
+                return size
+            if length_of(inner) >= 0:
+                return size
     return None  # one sequence of embedding vectors is a single request
-
-
-def _is_list(value: object) -> bool:
-    return isinstance(value, list)

@@ -18,9 +18,10 @@ import pytest
 from hypothesis import HealthCheck, given, seed, settings
 
 from gateway.contract.inspection import inspect_body
-from gateway.contract.jsonview import Head, read_view
+from gateway.contract.jsonview import read_view
 from gateway.contract.policy import READS, SHAPE_ONLY, BodyRules, ParallelSampleCap, resolve
 from gateway.contract.routes import Kind, RouteTable
+from gateway.contract.shapes import Head, first_of, length_of
 from tests.hardening.bodies import requests
 from tests.hardening.corpus import CASES
 from tests.property_scale import examples
@@ -55,7 +56,7 @@ def assert_same_reading(body: bytes) -> None:
         assert POLICY.check(kind, view) == POLICY.check(kind, full), (kind, body[:200])
         for key, value in view.items():
             if isinstance(value, Head):
-                assert len(value) == len(full[key])
+                assert value.length == len(full[key])
             else:
                 assert _equal(value, full[key]), key
 
@@ -259,7 +260,7 @@ def test_large_input_ids_become_a_head() -> None:
     body = orjson.dumps({"input_ids": ids, "sampling_params": {"top_k": 5}, "extra": [1] * 9})
     view = read_view(body, READS[Kind.GENERATE], SHAPE_ONLY)
     head = view["input_ids"]
-    assert isinstance(head, Head) and len(head) == 100_000 and head[0] == 0
+    assert isinstance(head, Head) and head.length == 100_000 and head.first == 0
     assert "extra" not in view  # validated, but no policy check reads it
     assert view["sampling_params"] == {"top_k": 5}
     with pytest.raises(TypeError):
@@ -270,8 +271,11 @@ def test_nested_heads_keep_each_length() -> None:
     body = b'{"input_embeds":[[[0.5,1.5],[2.5]],[[3.5]],[]]}'
     view = read_view(body, READS[Kind.GENERATE], SHAPE_ONLY)
     embeds = view["input_embeds"]
-    assert len(embeds) == 3 and len(embeds[0]) == 2 and len(embeds[0][0]) == 2
-    assert embeds[0][0][0] == 0.5
+    assert length_of(embeds) == 3 and length_of(first_of(embeds)) == 2
+    assert length_of(first_of(first_of(embeds))) == 2
+    assert first_of(first_of(first_of(embeds))) == 0.5
+    with pytest.raises(TypeError):
+        len(embeds)  # a Head has no length of its own to be misread
 
 
 def test_parser_is_reused_and_a_huge_body_gets_its_own() -> None:

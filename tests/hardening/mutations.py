@@ -324,7 +324,7 @@ MUTATIONS = [
     (
         "skim forgets the lengths it removed",
         "gateway/contract/inspection.py",
-        "                obj[key] = Head(value[0], len(value) + extra)",
+        "                obj[key] = Head(first_of(value), length + extra)",
         "                pass",
         ["tests/contract/test_skim.py::test_the_view_keeps_every_shape"],
     ),
@@ -1530,6 +1530,20 @@ MUTATIONS = [
         '            if (yield (RID_KEY, at, n)) >= 0 or (yield (b"\\\\u", at, n)) >= 0:',
         "            if (yield (RID_KEY, at, n)) >= 0:",
         ["tests/contract/test_rids.py"],
+    ),
+    (
+        "a Head is read as the one element it holds",
+        "gateway/contract/shapes.py",
+        "    if isinstance(value, Head):\n        return value.length",
+        "    if isinstance(value, Head):\n        return 1",
+        ["tests/contract/test_jsonview.py"],
+    ),
+    (
+        "the batch shape misses an input_ids batch read through a Head",
+        "gateway/contract/policy.py",
+        "        return size if size > 0 and length_of(first_of(value)) >= 0 else None",
+        "        return size if isinstance(value, list) and length_of(first_of(value)) >= 0 else None",
+        ["tests/contract/test_jsonview.py"],
     ),
 ]
 
