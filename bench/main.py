@@ -478,6 +478,29 @@ def run_groups(run: Run, selected: list[Workload], results: Json) -> None:
             _stop_targets(targets)
 
 
+def run_floor(run: Run, results: Json) -> None:
+    """The parse floor of the 100k-id bodies (bench/floor.py), on the proxy's CPU."""
+    files = {"ids-100k": run.files.ids_100k, "ids-100k-mask": run.files.ids_100k_mask}
+    names = [n for n in files if n in results["workloads"]]
+    if not names:
+        return
+    argv = [sys.executable, "-m", "bench.floor", *(str(files[n]) for n in names)]
+    try:
+        done = subprocess.run(
+            pinned(run.proxy_cpus, argv),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+            cwd=common.BENCH.parent,
+        )
+        measured = json.loads(done.stdout)
+    except (OSError, subprocess.SubprocessError, ValueError) as exc:
+        run.note(f"parse floor: not measured: {type(exc).__name__}: {exc}")
+        return
+    results["parse_floor"] = {n: measured[files[n].name] for n in names}
+
+
 def run_scaling(run: Run, results: Json) -> None:
     counts = [int(c) for c in run.args.scaling.split(",") if c]
     if len(counts) < 2:
@@ -785,6 +808,7 @@ def main(argv: list[str] | None = None) -> int:
             run_profile(run, selected, results)
         else:
             run_groups(run, selected, results)
+            run_floor(run, results)
             run_scaling(run, results)
     except KeyboardInterrupt as exc:
         run.note(f"interrupted ({exc}): only the workloads that finished are reported")

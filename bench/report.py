@@ -226,6 +226,39 @@ def _variants(results: Json) -> list[str]:
     ]
 
 
+def _floor(results: Json) -> list[str]:
+    """Proxy CPU per request beside the parse of the same body alone (bench/floor.py)."""
+    floor = results.get("parse_floor") or {}
+    rows = []
+    for name, parse in floor.items():
+        entry = results["workloads"].get(name)
+        if entry is None:
+            continue
+        gw, rt = _cpu(_med(entry, "gateway")), _cpu(_med(entry, "sglang-router"))
+        sj = parse["simdjson_us"]
+        rest = None if gw is None else gw - sj
+        rows.append(
+            f"| {name} | {_num(sj, '{:,.1f}')} | {_num(parse['orjson_us'], '{:,.1f}')} "
+            f"| {_num(gw, '{:,.1f}')} | {_num(rest, '{:+,.1f}')} | {_num(rt, '{:,.1f}')} |"
+        )
+    if not rows:
+        return []
+    return [
+        "## The parse floor",
+        "",
+        "What parsing the body alone costs on the proxy's CPU (bench/floor.py): simdjson is "
+        "the parser the gateway validates large bodies with, orjson is SGLang's. No "
+        "validating proxy goes under its parser's figure; the gateway's proxy CPU per "
+        "request minus it is the rest of its request path.",
+        "",
+        "| workload | simdjson parse us | orjson parse us | gateway CPU us/req "
+        "| gateway minus simdjson parse | sglang-router CPU us/req |",
+        "|---|---:|---:|---:|---:|---:|",
+        *rows,
+        "",
+    ]
+
+
 def _cpu(m: Json | None) -> float | None:
     if m is None:
         return None
@@ -378,6 +411,7 @@ def markdown(results: Json) -> str:
     out += _throughput(results)
     out += _goal(results)
     out += _variants(results)
+    out += _floor(results)
     out += _absolute(results)
     out += _memory(results)
     out += _scaling(results)

@@ -38,3 +38,7 @@ def test_bench_smoke_runs_and_writes_results(tmp_path: Path) -> None:
     data = json.loads(results[0].read_text())
     assert data["meta"]["mode"] == "smoke"
     assert "# Gateway benchmark" in tables[0].read_text()
+    # The smoke set holds a 100k-id body: its parse floor is measured and reported.
+    floor = data["parse_floor"]["ids-100k-mask"]
+    assert floor["simdjson_us"] > 0 and floor["orjson_us"] > 0
+    assert "## The parse floor" in tables[0].read_text()
