@@ -90,18 +90,19 @@ def _absolute(results: Json) -> list[str]:
         "user+system time of the proxy's whole process tree during the run, per request and "
         "as a share of one core. resp MB/s: response bytes received per second. Others: the "
         "most CPU (in cores) that processes outside the benchmark used during any of the "
-        "target's runs, on the cores its path uses (the machine may be shared).",
+        "target's runs, on the cores its path uses (the machine may be shared). Steal: the "
+        "most CPU (in cores) the hypervisor took from the VM during any of them.",
         "",
         "| workload | target | req/s | resp MB/s | p50 ms | p99 ms | added p50 ms "
-        "| proxy CPU us/req | proxy CPU % | proxy RSS MiB | errors | others |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| proxy CPU us/req | proxy CPU % | proxy RSS MiB | errors | others | steal |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for entry in wl.values():
         direct = _med(entry, "direct")
         for name, t in entry["targets"].items():
             m = _med(entry, name)
             if m is None:
-                out.append(f"| {entry['title']} | {name} | {t['status']} ||||||||||")
+                out.append(f"| {entry['title']} | {name} | {t['status']} |||||||||||")
                 continue
             added = None
             if direct and name != "direct":
@@ -114,7 +115,8 @@ def _absolute(results: Json) -> list[str]:
                 f"| {_num(added, '{:+.3f}')} | {_num(m.get('cpu_us_per_req'), '{:,.1f}')} "
                 f"| {_num(None if cpu is None else cpu * 100, '{:.0f}')} "
                 f"| {_num(None if rss is None else rss / MIB, '{:.0f}')} | {m['errors']} "
-                f"| {_num(m.get('max_other_load'), '{:.2f}')} |"
+                f"| {_num(m.get('max_other_load'), '{:.2f}')} "
+                f"| {_num(m.get('max_steal'), '{:.2f}')} |"
             )
     return [*out, ""]
 
