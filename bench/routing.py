@@ -382,6 +382,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             # Fresh engines per seed (their cache is sized to its trace); the routers take
             # turns first, so a drift in the machine's load is not always charged to one.
             engines, stubs = start_engines(tmp, args, capacity)
+            settings = list(args.gateway_settings)
+            if args.tell_cache:
+                # The operator's figures: the engines' size, and a prompt token's bytes.
+                settings += [
+                    f"cache_aware.engine_cache_tokens={capacity}",
+                    f"cache_aware.bytes_per_token={args.tell_cache}",
+                ]
             try:
                 for repeat in range(args.repeats):
                     turn = (k * args.repeats + repeat) % len(plan)
@@ -394,7 +401,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                             workload=workload,
                             jobs=traces[workload],
                             clients=args.clients,
-                            settings=args.gateway_settings,
+                            settings=settings,
                         )
                         runs.append({"seed": seed, "repeat": repeat, **run.summary()})
                         print(json.dumps(runs[-1]), flush=True)
@@ -414,6 +421,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             "prefill_us_per_token": args.prefill_us,
             "decode_ms": args.decode_ms,
             "gateway_settings": args.gateway_settings,
+            "tell_cache_bytes_per_token": args.tell_cache,
             "cpus": os.cpu_count(),
         },
         "runs": runs,
@@ -513,7 +521,13 @@ def table(result: dict[str, Any]) -> str:
         f"each engine caches {m['cache_ratio']:g} of it ({min(caches)}-{max(caches)} tokens), "
         f"prefill {m['prefill_us_per_token']} us per uncached token (queued per engine), "
         f"decode {m['decode_ms']} ms; {m['cpus']} CPUs."
-        + (f" Gateway settings: {m['gateway_settings']}." if m["gateway_settings"] else ""),
+        + (f" Gateway settings: {m['gateway_settings']}." if m["gateway_settings"] else "")
+        + (
+            " The gateway is told the engines' cache size, at "
+            f"{m['tell_cache_bytes_per_token']} request bytes per token."
+            if m.get("tell_cache_bytes_per_token")
+            else ""
+        ),
         "",
         f"Mean over {len(seeds)} seed(s) x {m['repeats']} run(s), (min-max):",
         "",
@@ -597,6 +611,14 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="a gateway backends setting for its runs, e.g. balance_abs_threshold=16 or "
         "cache_aware.cache_threshold=0.5",
+    )
+    parser.add_argument(
+        "--tell-cache",
+        type=float,
+        default=None,
+        metavar="BYTES_PER_TOKEN",
+        help="give the gateway the engines' cache size (cache_aware.engine_cache_tokens) "
+        "and this many request bytes per prompt token (cache_aware.bytes_per_token)",
     )
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--prefill-us", type=float, default=20.0)

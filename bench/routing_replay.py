@@ -143,7 +143,14 @@ def cache_aware(settings: dict[str, float]) -> CacheAware:
         settings.get("balance_rel_threshold", default.rel_threshold),
     )
     threshold = settings.get("cache_threshold", rules.cache_threshold)
-    return CacheAware(CacheAwareRules(balance=rule, cache_threshold=threshold))
+    cache_bytes = settings.get("backend_cache_bytes")
+    return CacheAware(
+        CacheAwareRules(
+            balance=rule,
+            cache_threshold=threshold,
+            backend_cache_bytes=None if cache_bytes is None else int(cache_bytes),
+        )
+    )
 
 
 def main() -> None:

@@ -44,6 +44,7 @@ def _args(ratio: float, seeds: list[int]) -> argparse.Namespace:
         repeats=1,
         cache_ratio=ratio,
         gateway_settings=[],
+        tell_cache=None,
         clients=16,
         prefill_us=20.0,
         decode_ms=10,

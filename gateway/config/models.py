@@ -366,6 +366,20 @@ class CacheAwareConfig(_Model):
     max_blocks_per_backend: Annotated[int, Field(ge=16, le=1 << 24)] = 32768
     # Bytes of each prompt matched: bounds the per-request cost (~1 us per KB).
     max_prompt_bytes: Annotated[int, Field(ge=1024, le=16 << 20)] = 256 << 10
+    # Tokens one engine's prefix cache holds (SGLang's max_total_num_tokens, from
+    # /get_server_info). With it, what the gateway remembers of a backend is bounded to
+    # engine_cache_tokens x bytes_per_token request bytes, what its cache can hold, so a
+    # prefix the engine has evicted stops drawing requests. Unset: bounded by blocks only.
+    # An estimate well under the engine's real size costs hits (docs/bench.md).
+    engine_cache_tokens: Annotated[int, Field(ge=1)] | None = None
+    # Request bytes one prompt token takes in this traffic (English text in JSON: about 4;
+    # input_ids: about 6), for engine_cache_tokens.
+    bytes_per_token: Annotated[float, Field(gt=0, le=64)] = 4.0
+
+    def backend_cache_bytes(self) -> int | None:
+        if self.engine_cache_tokens is None:
+            return None
+        return int(self.engine_cache_tokens * self.bytes_per_token)
 
 
 class BackendsConfig(_Model):

@@ -45,6 +45,9 @@ class CacheAwareRules:
     cache_threshold: float = 0.5  # sglang-router's is 0.3: see the module's docstring
     max_blocks_per_backend: int = 32768
     max_prompt_bytes: int = 256 << 10
+    # What one engine's prefix cache holds, in request bytes (config: engine_cache_tokens
+    # times bytes_per_token); None: bounded by blocks only.
+    backend_cache_bytes: int | None = None
 
 
 class RouteStats:
@@ -65,7 +68,7 @@ class CacheAware:
 
     def __init__(self, rules: CacheAwareRules = CacheAwareRules(), seed: int | None = None) -> None:
         self.rules = rules
-        self._index = PrefixIndex(rules.max_blocks_per_backend)
+        self._index = PrefixIndex(rules.max_blocks_per_backend, rules.backend_cache_bytes)
         self._counter = itertools.count(seed or 0)
         self.stats: dict[str, RouteStats] = {}
 
@@ -73,7 +76,7 @@ class CacheAware:
         """Take over what a balancer this one replaces (a reload) learnt: the engines' caches
         did not change, and counters must not go back."""
         self._index = previous._index
-        self._index.resize(self.rules.max_blocks_per_backend)
+        self._index.resize(self.rules.max_blocks_per_backend, self.rules.backend_cache_bytes)
         self.stats = previous.stats
 
     def set_members(self, urls: Sequence[str]) -> None:
@@ -139,6 +142,6 @@ class CacheAware:
             matched = ends[held - 1] if held else 0
         else:
             chosen, decision = best, MATCHED
-        index.record(chosen.url, names)
+        index.record(chosen.url, names, ends)
         self._count(chosen.url, decision, matched, considered)
         return chosen

@@ -59,7 +59,11 @@ def make_balancer(cfg: BackendsConfig, name: str | None = None) -> Balancer:
     if name == "cache_aware":
         c = cfg.cache_aware
         rules = CacheAwareRules(
-            rule, c.cache_threshold, c.max_blocks_per_backend, c.max_prompt_bytes
+            rule,
+            c.cache_threshold,
+            c.max_blocks_per_backend,
+            c.max_prompt_bytes,
+            c.backend_cache_bytes(),
         )
         return CacheAware(rules, cfg.seed)
     if name == "consistent_hash":

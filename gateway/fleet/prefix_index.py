@@ -29,6 +29,15 @@ capped (`max_prompt_bytes`) anyway, so the blocks were kept.
 Memory: a block costs about 100 bytes (an OrderedDict entry and its int), so the default
 32,768 blocks per backend are ~3.5 MB and stand for far more prompt than an engine caches
 (~4 bytes a token). A backend that leaves or restarts is forgotten whole (its cache is gone).
+
+With `max_bytes` (cache_aware.engine_cache_tokens times bytes_per_token) a backend's blocks
+are also bounded by the prompt bytes they stand for, evicted least recently used first as
+the engine's own cache evicts: the index then holds what the engine can still hold, and a
+prefix it has evicted stops drawing requests to it. In a replay of the routing trace
+(bench/routing_replay.py, 8 seeds) with each engine caching 1/16 of the working set, the
+true size took the hit rate from 0.727 to 0.765 and the uncached imbalance from 1.31 to
+1.09; 0.6x the true size lost hits (0.696), 1.5x changed nothing (0.735); with caches of
+1/8 and more nothing changed.
 """
 
 from __future__ import annotations
@@ -89,13 +98,19 @@ class Prompt:
 
 
 class PrefixIndex:
-    """Per backend URL, the prompt-prefix blocks it recently served (at most `max_blocks`)."""
+    """Per backend URL, the prompt-prefix blocks it recently served: at most `max_blocks`,
+    and with `max_bytes` at most that many prompt bytes (the engine's cache, in the bytes of
+    the requests that filled it), so what the index holds is what the engine can still
+    hold."""
 
-    __slots__ = ("_max_blocks", "_served")
+    __slots__ = ("_bytes", "_max_blocks", "_max_bytes", "_served")
 
-    def __init__(self, max_blocks: int) -> None:
+    def __init__(self, max_blocks: int, max_bytes: int | None = None) -> None:
         self._max_blocks = max_blocks
-        self._served: dict[str, OrderedDict[int, None]] = {}
+        self._max_bytes = max_bytes
+        # name -> the bytes of its block
+        self._served: dict[str, OrderedDict[int, int]] = {}
+        self._bytes: dict[str, int] = {}
 
     def matched(self, url: str, names: Sequence[int]) -> int:
         """How many of the leading `names` `url` holds (its longest prefix match, in blocks)."""
@@ -112,38 +127,54 @@ class PrefixIndex:
                 hi = mid
         return lo
 
-    def record(self, url: str, names: Sequence[int]) -> None:
-        """`url` was sent a prompt with these block names: they become its most recent."""
+    def record(self, url: str, names: Sequence[int], ends: Sequence[int] = ()) -> None:
+        """`url` was sent a prompt with these block names (and the prompt offsets they end
+        at, block_names' second list): they become its most recent."""
         if not names:
             return
         served = self._served.get(url)
         if served is None:
             served = self._served[url] = OrderedDict()
         move = served.move_to_end
-        for name in reversed(names):
+        added = 0
+        for i in range(len(names) - 1, -1, -1):
+            name = names[i]
             if name in served:
                 move(name)
             else:
-                served[name] = None
-        over = len(served) - self._max_blocks
-        for _ in range(over):
-            served.popitem(last=False)
+                size = ends[i] - (ends[i - 1] if i else 0) if ends else 0
+                served[name] = size
+                added += size
+        self._bytes[url] = self._bytes.get(url, 0) + added
+        self._trim(url, served)
 
-    def resize(self, max_blocks: int) -> None:
+    def _trim(self, url: str, served: OrderedDict[int, int]) -> None:
+        held = self._bytes.get(url, 0)
+        limit = self._max_bytes
+        while served and (len(served) > self._max_blocks or (limit is not None and held > limit)):
+            held -= served.popitem(last=False)[1]
+        self._bytes[url] = held
+
+    def resize(self, max_blocks: int, max_bytes: int | None = None) -> None:
         self._max_blocks = max_blocks
-        for served in self._served.values():
-            for _ in range(len(served) - max_blocks):
-                served.popitem(last=False)
+        self._max_bytes = max_bytes
+        for url, served in self._served.items():
+            self._trim(url, served)
 
     def forget(self, url: str) -> None:
         """`url` left or restarted: what it cached is gone."""
         self._served.pop(url, None)
+        self._bytes.pop(url, None)
 
     def keep_only(self, urls: Sequence[str]) -> None:
         """Membership is now `urls`: forget every other backend."""
         keep = set(urls)
         for url in [u for u in self._served if u not in keep]:
             del self._served[url]
+            self._bytes.pop(url, None)
+
+    def held_bytes(self, url: str) -> int:
+        return self._bytes.get(url, 0)
 
     def blocks(self, url: str) -> int:
         served = self._served.get(url)

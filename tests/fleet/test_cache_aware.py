@@ -93,6 +93,32 @@ def test_eviction_keeps_every_backend_prefix_closed() -> None:
         assert held == sorted(held, reverse=True)
 
 
+def test_a_byte_bound_holds_what_the_engine_can_and_stays_prefix_closed() -> None:
+    limit = 20_000
+    index = PrefixIndex(1 << 20, max_bytes=limit)
+    rng = random.Random(9)
+    prompts = [words(rng.randrange(100, 2000), rng.randrange(1 << 30)) for _ in range(80)]
+    for p in prompts:
+        ns, ends = block_names(p, 0, 1 << 20)
+        index.record(URLS[0], ns, ends)
+        # The bytes held are the sum of the blocks held, and never above the bound.
+        assert index.held_bytes(URLS[0]) == sum(index._served[URLS[0]].values()) <= limit
+    served = index._served[URLS[0]]
+    for p in prompts:
+        held = [n in served for n in names(p)]
+        assert held == sorted(held, reverse=True)
+    # The latest prompt is held whole; the first ones, 80 prompts ago, are gone.
+    assert index.matched(URLS[0], names(prompts[-1])) == len(names(prompts[-1]))
+    assert index.matched(URLS[0], names(prompts[0])) == 0
+    # Without the bound the same traffic would have been remembered whole.
+    unbounded = PrefixIndex(1 << 20)
+    for p in prompts:
+        unbounded.record(URLS[0], *block_names(p, 0, 1 << 20))
+    assert unbounded.matched(URLS[0], names(prompts[0])) == len(names(prompts[0]))
+    index.forget(URLS[0])
+    assert index.held_bytes(URLS[0]) == 0
+
+
 def test_forget_and_keep_only_drop_what_a_backend_served() -> None:
     index = PrefixIndex(1000)
     prompt = words(500, 8)
@@ -223,6 +249,36 @@ def test_a_reload_keeps_what_was_learnt() -> None:
     assert new.choose_prompt(backends, prompt + b" x", 0) is owner
     assert new.held_blocks(owner.url) <= 24 < len(names(prompt))
     assert new.stats[owner.url].decisions[MATCHED] == 1
+
+
+def test_a_prefix_the_engine_has_evicted_stops_drawing_requests() -> None:
+    # engine_cache_tokens x bytes_per_token: what the gateway keeps of each backend.
+    cfg = BackendsConfig(
+        static=URLS[:2],
+        balancer="cache_aware",
+        cache_aware=CacheAwareConfig(engine_cache_tokens=2000, bytes_per_token=4.0),
+    )
+    ca = make_balancer(cfg)
+    assert isinstance(ca, CacheAware) and ca.rules.backend_cache_bytes == 8000
+    backends = fleet(2)
+    first = words(600, 30)
+    owner = ca.choose_prompt(backends, first, 0)
+    # The owner then serves more than its cache holds: the first prompt was evicted there.
+    for i in range(6):
+        assert ca.choose_prompt([owner], words(600, 40 + i), 0) is owner
+    assert ca.held_blocks(owner.url) > 0
+    other = next(b for b in backends if b is not owner)
+    other.inflight, owner.inflight = 0, 1
+    # Nothing holds it now: placed by load, not drawn to where it used to be.
+    assert ca.choose_prompt(backends, first + words(50, 31), 0) is other
+    # With no bound the gateway still believes the owner holds it.
+    plain = balancer()
+    owner = plain.choose_prompt(backends, first, 0)
+    for i in range(6):
+        plain.choose_prompt([owner], words(600, 40 + i), 0)
+    other = next(b for b in backends if b is not owner)
+    other.inflight, owner.inflight = 0, 1
+    assert plain.choose_prompt(backends, first + words(50, 31), 0) is owner
 
 
 def test_the_pool_routes_by_prompt_and_forgets_a_restarted_backend() -> None:

@@ -1545,6 +1545,13 @@ MUTATIONS = [
         "        return size if isinstance(value, list) and length_of(first_of(value)) >= 0 else None",
         ["tests/contract/test_jsonview.py"],
     ),
+    (
+        "cache_aware forgets the block sizes, so its byte bound never evicts",
+        "gateway/fleet/cache_aware.py",
+        "        index.record(chosen.url, names, ends)",
+        "        index.record(chosen.url, names)",
+        ["tests/fleet/test_cache_aware.py"],
+    ),
 ]
 
 
