@@ -267,9 +267,10 @@ def _parse_line(stdout: str) -> Json | None:
 
 
 def _disturbed(res: Json) -> float:
-    """Cores taken from the run by others: processes outside the benchmark on its cores, and
-    the hypervisor (steal time). On a shared VM steal is the larger: rounds with half a core
-    stolen showed twice the proxy CPU per request of the quiet ones, for every proxy."""
+    """Cores others took during the run: processes outside the benchmark (common.Interference:
+    on the proxy's CPUs and the rest), and the hypervisor (steal time, summed over the VM's
+    CPUs, as the rest is). On a shared VM steal is the larger: rounds with half a core stolen
+    showed twice the proxy CPU per request of the quiet ones, for every proxy."""
     return float(res.get("other_load", 0.0)) + float(res.get("steal", 0.0))
 
 
@@ -872,7 +873,8 @@ def _noisy_runs(results: Json, bar: float) -> str | None:
     return (
         f"interference: in {len(flagged)} of {len(loads)} runs, processes outside the "
         f"benchmark or the hypervisor (steal) took more than {bar} cores (up to "
-        f"{max(flagged):.2f}); those figures are less reliable (see the 'others' column)"
+        f"{max(flagged):.2f}); those figures are less reliable (see the 'others' and 'steal' "
+        "columns)"
     )
 
 

@@ -355,6 +355,9 @@ class PrefillWorker(_Model):
         return {"url": data} if isinstance(data, str) else data
 
 
+_MIN_ENGINE_CACHE_BYTES: Final = 4096
+
+
 class CacheAwareConfig(_Model):
     """backends.balancer: cache_aware (gateway/fleet/cache_aware.py)."""
 
@@ -380,6 +383,18 @@ class CacheAwareConfig(_Model):
         if self.engine_cache_tokens is None:
             return None
         return int(self.engine_cache_tokens * self.bytes_per_token)
+
+    @model_validator(mode="after")
+    def _holds_a_prompt(self) -> CacheAwareConfig:
+        # Below a few KB every prompt evicts itself and cache_aware silently becomes
+        # least_inflight: a mistyped size, never a real engine (they hold 10^5+ tokens).
+        size = self.backend_cache_bytes()
+        if size is not None and size < _MIN_ENGINE_CACHE_BYTES:
+            raise ValueError(
+                f"engine_cache_tokens x bytes_per_token is {size} bytes; at least "
+                f"{_MIN_ENGINE_CACHE_BYTES} are needed to remember one prompt"
+            )
+        return self
 
 
 class BackendsConfig(_Model):

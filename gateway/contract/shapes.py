@@ -13,8 +13,8 @@ from __future__ import annotations
 
 
 class Head:
-    """Stands for a JSON array: its length, and its first element (itself a Head when that
-    is an array the reader followed; None past the reader's depth)."""
+    """Stands for a JSON array: its length, and its first element (an array there is a Head
+    or a list, read through the same helpers; None past the reader's depth)."""
 
     __slots__ = ("first", "length")
 

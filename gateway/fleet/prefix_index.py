@@ -26,9 +26,10 @@ is hashing its bytes (in C). The radix tree wins only past ~100 KB, costs splits
 bytes themselves and needs subtree eviction to stay prefix-closed; the prompt considered is
 capped (`max_prompt_bytes`) anyway, so the blocks were kept.
 
-Memory: a block costs about 100 bytes (an OrderedDict entry and its int), so the default
-32,768 blocks per backend are ~3.5 MB and stand for far more prompt than an engine caches
-(~4 bytes a token). A backend that leaves or restarts is forgotten whole (its cache is gone).
+Memory: a block costs about 100-130 bytes (an OrderedDict entry, its name and its size),
+so the default 32,768 blocks per backend are ~3.5-4 MB and stand for far more prompt than
+an engine caches (~4 bytes a token). A backend that leaves or restarts is forgotten whole
+(its cache is gone).
 
 With `max_bytes` (cache_aware.engine_cache_tokens times bytes_per_token) a backend's blocks
 are also bounded by the prompt bytes they stand for, evicted least recently used first as
@@ -101,7 +102,8 @@ class PrefixIndex:
     """Per backend URL, the prompt-prefix blocks it recently served: at most `max_blocks`,
     and with `max_bytes` at most that many prompt bytes (the engine's cache, in the bytes of
     the requests that filled it), so what the index holds is what the engine can still
-    hold."""
+    hold. Each gateway worker keeps its own index of its own traffic: with --workers N each
+    sees about 1/N of what filled the engine, so its bound errs on the generous side."""
 
     __slots__ = ("_bytes", "_max_blocks", "_max_bytes", "_served")
 

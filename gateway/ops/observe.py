@@ -169,5 +169,5 @@ def trace_id(traceparent: str) -> str:
 def _ms(seconds: float) -> float:
     """Seconds as milliseconds with three decimals: round(x, 3) on the access log's two
     durations showed in a profile of a small request; integer rounding gives the same
-    figure for the non-negative durations logged here."""
+    figure for the non-negative durations logged here, but for half-microsecond ties."""
     return int(seconds * 1_000_000 + 0.5) / 1000

@@ -281,6 +281,12 @@ def test_a_prefix_the_engine_has_evicted_stops_drawing_requests() -> None:
     assert plain.choose_prompt(backends, first + words(50, 31), 0) is owner
 
 
+def test_an_engine_size_too_small_to_hold_a_prompt_is_refused() -> None:
+    with pytest.raises(ValueError, match="engine_cache_tokens x bytes_per_token is 400 bytes"):
+        CacheAwareConfig(engine_cache_tokens=100, bytes_per_token=4.0)
+    assert CacheAwareConfig(engine_cache_tokens=1024).backend_cache_bytes() == 4096
+
+
 def test_the_pool_routes_by_prompt_and_forgets_a_restarted_backend() -> None:
     cfg = BackendsConfig(static=URLS, balancer="cache_aware")
     pool = BackendPool(URLS, make_balancer(cfg))

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import aiohttp
 import orjson
 import pytest
 
 from gateway.app import Gateway
+from gateway.edge.upstream import Upstream, UpstreamResponse
 from gateway.testing.stub import StubBackend
 from tests.conftest import GatewayFactory, gw_url
 from tests.hardening.checks import assert_no_internals
@@ -112,11 +114,22 @@ async def test_handler_crash_is_a_generic_500(
     def boom(*args: object, **kwargs: object) -> None:
         raise RuntimeError(secret)
 
-    # Module globals the proxy calls into pure modules (the inspection stays pure; a class
-    # compiled with mypyc takes no monkeypatching): a body fails in its inspection, a GET in
-    # the header check every route goes through.
+    # Seams both builds keep (compiled with mypyc, a call from one compiled function to
+    # another is a C call no monkeypatch reaches): a body fails in its inspection, which the
+    # proxy takes from its module globals as a value; a GET in the upstream client, through
+    # an interpreted subclass as gateway/edge/tracing.py's is.
     if path == "/health":
-        monkeypatch.setattr(proxy, "check_headers", boom)
+
+        class Crashing(Upstream):
+            async def request(self, *args: Any, **kwargs: Any) -> UpstreamResponse:
+                boom()
+                raise AssertionError("boom returned")
+
+        assert gateway.proxy is not None
+        crashing = Crashing(
+            keepalive_s=1.0, read_bufsize=1 << 16, max_line_size=8190, max_field_size=8190
+        )
+        monkeypatch.setattr(gateway.proxy, "upstream", crashing)
     else:
         monkeypatch.setattr(proxy, "inspect_body", boom)
     asyncio.get_running_loop().set_debug(True)
