@@ -62,6 +62,16 @@ REQUESTS: list[tuple[str, str, dict[str, Any]]] = [
         },
     ),
     (
+        "generate logprob, input_ids batch of 2",
+        "/generate",
+        {
+            "input_ids": [[1, 2, 3, 4], [5, 6]],
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 2},
+        },
+    ),
+    (
         "generate logprob stream",
         "/generate",
         {

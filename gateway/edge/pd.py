@@ -15,9 +15,10 @@ replaces them.
 The decode worker's answer is relayed as the plain path relays any (streams too,
 unbuffered). The prefill worker's is read to its end and dropped, except that its
 `meta_info.input_token_logprobs` go in front of the decode's for a /generate with
-`return_logprob`, as sglang-router merges them: in an answer sent whole, and in each event
-of a streamed one that carries its own (gateway/edge/pd_logprobs.py; the stream stays
-unbuffered, only those events are re-serialised) - the one case where a reply body is.
+`return_logprob`, as sglang-router merges them: in an answer sent whole (a batch's item by
+item), and in each event of a streamed one that carries its own
+(gateway/edge/pd_logprobs.py; the stream stays unbuffered, only those events are
+re-serialised) - the one case where a reply body is.
 Either side failing ends the pair: the other side's connection is closed (SGLang aborts a
 request whose connection closed), and the client gets the failing side's own error reply,
 or, once the decode's answer is under way, a connection that ends visibly broken. A client
@@ -230,24 +231,39 @@ def bootstrap_fields(prefill: Backend, rooms: int | None) -> bytes:
 
 def merge_logprobs(prefill_body: bytes, decode_body: bytes) -> bytes | None:
     """The decode answer with the prefill's input_token_logprobs in front of its own (as
-    sglang-router merges them); None where either is not such an answer."""
+    sglang-router merges them); for a batch answered whole, item by item, in order (both
+    sides answer a batch as a list of its items). None where nothing could be merged."""
     try:
         prefill, decode = orjson.loads(prefill_body), orjson.loads(decode_body)
     except orjson.JSONDecodeError:
         return None
-    if not (isinstance(prefill, dict) and isinstance(decode, dict)):
+    if isinstance(prefill, dict) and isinstance(decode, dict):
+        merged = _merge_item(prefill, decode)
+    elif isinstance(prefill, list) and isinstance(decode, list) and len(prefill) == len(decode):
+        merged = sum(_merge_item(p, d) for p, d in zip(prefill, decode, strict=True)) > 0
+    else:
         return None
-    p_meta, d_meta = prefill.get("meta_info"), decode.get("meta_info")
-    if not (isinstance(p_meta, dict) and isinstance(d_meta, dict)):
+    if not merged:
         return None
-    p_lp, d_lp = p_meta.get("input_token_logprobs"), d_meta.get("input_token_logprobs")
-    if not (isinstance(p_lp, list) and isinstance(d_lp, list)):
-        return None
-    d_meta["input_token_logprobs"] = p_lp + d_lp
     try:
         return orjson.dumps(decode)
     except orjson.JSONEncodeError:  # an integer beyond 64 bits: leave the answer as it came
         return None
+
+
+def _merge_item(prefill: object, decode: object) -> bool:
+    """The prefill item's input logprobs in front of the decode item's; False where either
+    is not an answer that has them."""
+    if not (isinstance(prefill, dict) and isinstance(decode, dict)):
+        return False
+    p_meta, d_meta = prefill.get("meta_info"), decode.get("meta_info")
+    if not (isinstance(p_meta, dict) and isinstance(d_meta, dict)):
+        return False
+    p_lp, d_lp = p_meta.get("input_token_logprobs"), d_meta.get("input_token_logprobs")
+    if not (isinstance(p_lp, list) and isinstance(d_lp, list)):
+        return False
+    d_meta["input_token_logprobs"] = p_lp + d_lp
+    return True
 
 
 # -- the request path --------------------------------------------------------------------

@@ -297,6 +297,39 @@ async def test_return_logprob_merges_the_prefills_input_logprobs(
     assert expected and merged == expected
 
 
+async def test_a_batch_answered_whole_gets_each_items_input_logprobs(
+    pairs: Pairs, make_gateway: GatewayFactory, session: aiohttp.ClientSession
+) -> None:
+    gw = await make_gateway(**pairs.config())
+    body = {
+        "text": ["one two three", "four five six seven eight"],
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "sampling_params": {"max_new_tokens": 2},
+    }
+    status, answer = await _post(session, gw, "/generate", orjson.dumps(body))
+    assert status == 200
+    got = orjson.loads(answer)
+    reference = StubBackend()
+    await reference.start()
+    try:
+        async with session.post(reference.url + "/generate", json=body) as resp:
+            want = await resp.json()
+    finally:
+        await reference.stop()
+    assert isinstance(got, list) and len(got) == len(want) == 2
+    lists = [item["meta_info"]["input_token_logprobs"] for item in got]
+    assert lists[0] != lists[1]
+    assert lists == [item["meta_info"]["input_token_logprobs"] for item in want]
+    # Everything else is the decode's answer as it came: its text and output logprobs.
+    for item, ref in zip(got, want, strict=True):
+        assert item["text"] == ref["text"]
+        assert (
+            item["meta_info"]["output_token_logprobs"]
+            == (ref["meta_info"]["output_token_logprobs"])
+        )
+
+
 async def test_registered_workers_are_paired_by_their_worker_type(
     pairs: Pairs, make_gateway: GatewayFactory, session: aiohttp.ClientSession
 ) -> None:
