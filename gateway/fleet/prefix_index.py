@@ -129,7 +129,7 @@ class PrefixIndex:
                 hi = mid
         return lo
 
-    def record(self, url: str, names: Sequence[int], ends: Sequence[int] = ()) -> None:
+    def record(self, url: str, names: Sequence[int], ends: Sequence[int]) -> None:
         """`url` was sent a prompt with these block names (and the prompt offsets they end
         at, block_names' second list): they become its most recent."""
         if not names:
@@ -144,7 +144,7 @@ class PrefixIndex:
             if name in served:
                 move(name)
             else:
-                size = ends[i] - (ends[i - 1] if i else 0) if ends else 0
+                size = ends[i] - (ends[i - 1] if i else 0)
                 served[name] = size
                 added += size
         self._bytes[url] = self._bytes.get(url, 0) + added

@@ -36,6 +36,10 @@ def names(prompt: bytes) -> list[int]:
     return block_names(prompt, 0, 1 << 20)[0]
 
 
+def record(index: PrefixIndex, url: str, prompt: bytes) -> None:
+    index.record(url, *block_names(prompt, 0, 1 << 20))
+
+
 # -- the index -----------------------------------------------------------------------------
 
 
@@ -57,7 +61,7 @@ def test_a_backend_matches_the_longest_prefix_it_served() -> None:
     index = PrefixIndex(10_000)
     system = words(400, 2)
     turn1 = system + words(300, 3)
-    index.record(URLS[0], names(turn1))
+    record(index, URLS[0], turn1)
     turn2 = turn1 + words(300, 4)
     assert index.matched(URLS[0], names(turn2)) == len(names(turn1))
     other = system + words(300, 5)
@@ -70,7 +74,7 @@ def test_memory_is_bounded_and_the_deepest_oldest_blocks_go_first() -> None:
     index = PrefixIndex(64)
     system = words(200, 6)
     for i in range(200):
-        index.record(URLS[0], names(system + words(400, 100 + i)))
+        record(index, URLS[0], system + words(400, 100 + i))
         assert index.blocks(URLS[0]) <= 64
     # The shared prefix, touched by every prompt, survived; old conversations did not.
     assert index.matched(URLS[0], names(system + words(400, 100))) >= len(names(system)) - 1
@@ -84,7 +88,7 @@ def test_eviction_keeps_every_backend_prefix_closed() -> None:
     index = PrefixIndex(40)
     prompts = [words(rng.randrange(50, 800), rng.randrange(5)) for _ in range(300)]
     for p in prompts:
-        index.record(URLS[0], names(p))
+        record(index, URLS[0], p)
     served = index._served[URLS[0]]
     for p in prompts:
         ns = names(p)
@@ -99,8 +103,7 @@ def test_a_byte_bound_holds_what_the_engine_can_and_stays_prefix_closed() -> Non
     rng = random.Random(9)
     prompts = [words(rng.randrange(100, 2000), rng.randrange(1 << 30)) for _ in range(80)]
     for p in prompts:
-        ns, ends = block_names(p, 0, 1 << 20)
-        index.record(URLS[0], ns, ends)
+        record(index, URLS[0], p)
         # The bytes held are the sum of the blocks held, and never above the bound.
         assert index.held_bytes(URLS[0]) == sum(index._served[URLS[0]].values()) <= limit
     served = index._served[URLS[0]]
@@ -113,7 +116,7 @@ def test_a_byte_bound_holds_what_the_engine_can_and_stays_prefix_closed() -> Non
     # Without the bound the same traffic would have been remembered whole.
     unbounded = PrefixIndex(1 << 20)
     for p in prompts:
-        unbounded.record(URLS[0], *block_names(p, 0, 1 << 20))
+        record(unbounded, URLS[0], p)
     assert unbounded.matched(URLS[0], names(prompts[0])) == len(names(prompts[0]))
     index.forget(URLS[0])
     assert index.held_bytes(URLS[0]) == 0
@@ -123,7 +126,7 @@ def test_forget_and_keep_only_drop_what_a_backend_served() -> None:
     index = PrefixIndex(1000)
     prompt = words(500, 8)
     for url in URLS:
-        index.record(url, names(prompt))
+        record(index, url, prompt)
     index.forget(URLS[0])
     assert index.matched(URLS[0], names(prompt)) == 0
     index.keep_only(URLS[2:])

@@ -1546,10 +1546,10 @@ MUTATIONS = [
         ["tests/contract/test_jsonview.py"],
     ),
     (
-        "cache_aware forgets the block sizes, so its byte bound never evicts",
-        "gateway/fleet/cache_aware.py",
-        "        index.record(chosen.url, names, ends)",
-        "        index.record(chosen.url, names)",
+        "the prefix index forgets the block sizes, so its byte bound never evicts",
+        "gateway/fleet/prefix_index.py",
+        "                size = ends[i] - (ends[i - 1] if i else 0)",
+        "                size = 0",
         ["tests/fleet/test_cache_aware.py"],
     ),
 ]
