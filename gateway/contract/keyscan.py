@@ -58,6 +58,8 @@ _MODEL_VALUE: Final = re.compile(rb'[ \t\r\n]*"[^":\\]*"')
 _MODEL_WINDOW: Final = 512
 # `"model"` strings judged in the rest of a body past the walk (a prompt may say it).
 _MAX_MODEL_SEEN: Final = 8
+_MODEL_QUOTED: Final = MODEL_KEY + _QUOTE  # as the walk matches it, past a quote
+_MODEL_STRING: Final = _QUOTE + _MODEL_QUOTED  # as the search past the walk looks for it
 
 
 class Keys:
@@ -142,23 +144,22 @@ def _walk(body: bytes, keys: Keys) -> _Walk:
 def _models(body: bytes, start: int) -> Generator[scan.Search, int, bool]:
     """Whether a `model` key from `start` on may name an adapter; one that says `model` too
     often is read rather than judged."""
-    needle = _QUOTE + MODEL_KEY + _QUOTE
     at = start
     for _ in range(_MAX_MODEL_SEEN):
-        at = yield (needle, at, len(body))
+        at = yield (_MODEL_STRING, at, len(body))
         if at < 0:
             return False
         if _names_adapter(body, at + 1):
             return True
-        at += len(needle)
+        at += len(_MODEL_STRING)
     return True
 
 
 def _names_adapter(body: bytes, past: int) -> bool:
     """The quote before `past` opens a `model` key whose value may name an adapter."""
-    if not body.startswith(MODEL_KEY + _QUOTE, past):
+    if not body.startswith(_MODEL_QUOTED, past):
         return False
-    colon = _colon_follows(body, past + len(MODEL_KEY) + 1)
+    colon = _colon_follows(body, past + len(_MODEL_QUOTED))
     if colon < 0:
         return False  # a value, not a key
     end = min(len(body), colon + 1 + _MODEL_WINDOW)

@@ -240,7 +240,8 @@ def merge_logprobs(prefill_body: bytes, decode_body: bytes) -> bytes | None:
     if isinstance(prefill, dict) and isinstance(decode, dict):
         merged = _merge_item(prefill, decode)
     elif isinstance(prefill, list) and isinstance(decode, list) and len(prefill) == len(decode):
-        merged = sum(_merge_item(p, d) for p, d in zip(prefill, decode, strict=True)) > 0
+        # Every item is merged (no short cut past the first that was).
+        merged = any([_merge_item(p, d) for p, d in zip(prefill, decode, strict=True)])
     else:
         return None
     if not merged:
