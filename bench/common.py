@@ -6,7 +6,8 @@ import contextlib
 import os
 import socket
 import time
-from collections.abc import Iterable
+import timeit
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -178,3 +179,9 @@ def wait_quiet(ours: list[int], max_wait: float, threshold: float) -> tuple[floa
         waited = time.perf_counter() - t0
         if other < threshold or waited >= max_wait:
             return waited, other
+
+
+def best_us(fn: Callable[[], object], number: int, repeat: int) -> float:
+    """Microseconds per call of `fn`: the best of `repeat` runs of `number` calls (best, not
+    mean: the machine may be shared, and the least a call costs is what is asked)."""
+    return min(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6

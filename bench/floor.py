@@ -8,35 +8,24 @@ CPU per request beside it: the difference is what forwarding and the rest of the
 path cost.
 
 Run as `python -m bench.floor FILE...` (bench/main.py pins it to the proxy's CPU); prints
-one JSON object: file name -> {"simdjson_us", "orjson_us"}, medians of timed repeats.
+one JSON object: file name -> {"simdjson_us", "orjson_us"}, the best of timed repeats
+(a floor is the least a parse costs).
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import orjson
 import simdjson
 
+from bench.common import best_us
+
 REPEATS = 15
 # Calls per timed repeat: enough that one repeat takes a few milliseconds or more.
 CALLS = 10
-
-
-def _median_us(call: Callable[[], object]) -> float:
-    call()  # the first call sizes the parser's buffers
-    samples = []
-    for _ in range(REPEATS):
-        started = time.perf_counter()
-        for _ in range(CALLS):
-            call()
-        samples.append((time.perf_counter() - started) / CALLS * 1e6)
-    return round(statistics.median(samples), 1)
 
 
 def measure(body: bytes) -> dict[str, float]:
@@ -47,8 +36,8 @@ def measure(body: bytes) -> dict[str, float]:
         del doc  # the parser is reused only once its last document is gone
 
     return {
-        "simdjson_us": _median_us(with_simdjson),
-        "orjson_us": _median_us(lambda: orjson.loads(body)),
+        "simdjson_us": round(best_us(with_simdjson, CALLS, REPEATS), 1),
+        "orjson_us": round(best_us(lambda: orjson.loads(body), CALLS, REPEATS), 1),
     }
 
 

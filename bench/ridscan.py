@@ -12,19 +12,14 @@ from __future__ import annotations
 
 import argparse
 import random
-import timeit
-from collections.abc import Callable
 
 import orjson
 
 from bench import bodies
+from bench.common import best_us
 from gateway.contract.keyscan import MASK, keys_for, may_name
 from gateway.contract.rids import top_level_rids
 from gateway.contract.routes import Kind
-
-
-def _best_us(fn: Callable[[], object], number: int, repeat: int) -> float:
-    return min(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6
 
 
 def main() -> None:
@@ -41,21 +36,21 @@ def main() -> None:
         "batch of 64 rids": orjson.dumps({**obj, "rid": [f"r-17-{i}" for i in range(64)]}),
     }
     print(f"body: /generate, {bodies.INPUT_IDS} input_ids, {len(plain)} bytes")
-    scan = _best_us(lambda: may_name(plain, MASK), args.number, args.repeat)
+    scan = best_us(lambda: may_name(plain, MASK), args.number, args.repeat)
     print(f"mask-key scan (keyscan.may_name): {scan:.1f} us")
     # What the gateway runs by default: adapters route requests, so lora_path is asked too,
     # in the same walk (a search of its own over the body cost about ten times the walk).
     both = keys_for(Kind.GENERATE, adapters=True)
-    keys = _best_us(lambda: may_name(plain, both), args.number, args.repeat)
+    keys = best_us(lambda: may_name(plain, both), args.number, args.repeat)
     print(f"mask and lora_path keys, one walk: {keys:.1f} us")
-    alone = _best_us(lambda: b"lora_path" in plain, args.number, args.repeat)
+    alone = best_us(lambda: b"lora_path" in plain, args.number, args.repeat)
     print(f"a search of the body for lora_path alone: {alone:.1f} us")
     for name, body in cases.items():
         found = top_level_rids(body)
         assert found is not None, name  # the walk vouches for these without a parse
-        cost = _best_us(lambda b=body: top_level_rids(b), args.number, args.repeat)  # type: ignore[misc]
+        cost = best_us(lambda b=body: top_level_rids(b), args.number, args.repeat)  # type: ignore[misc]
         print(f"rid walk, {name}: {cost:.1f} us ({len(found)} rid)")
-    parse = _best_us(lambda: orjson.loads(plain), max(1, args.number // 10), args.repeat)
+    parse = best_us(lambda: orjson.loads(plain), max(1, args.number // 10), args.repeat)
     print(f"orjson parse it spares: {parse:.0f} us")
 
 
