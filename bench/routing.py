@@ -526,7 +526,8 @@ def table(result: dict[str, Any]) -> str:
             " The gateway is told the engines' cache size, at "
             f"{m['tell_cache_bytes_per_token']} request bytes per token."
             if m.get("tell_cache_bytes_per_token")
-            else ""
+            else " The gateway reads each engine's cache size from its /server_info "
+            "(max_total_num_tokens) and learns the bytes a token takes (the defaults)."
         ),
         "",
         f"Mean over {len(seeds)} seed(s) x {m['repeats']} run(s), (min-max):",
@@ -618,7 +619,8 @@ def main() -> None:
         default=None,
         metavar="BYTES_PER_TOKEN",
         help="give the gateway the engines' cache size (cache_aware.engine_cache_tokens) "
-        "and this many request bytes per prompt token (cache_aware.bytes_per_token)",
+        "and this many request bytes per prompt token (cache_aware.bytes_per_token) instead "
+        "of what it reads and learns",
     )
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--prefill-us", type=float, default=20.0)

@@ -59,6 +59,9 @@ def replay(
 ) -> dict[str, Any]:
     engines = [Engine(f"http://engine-{i}", capacity) for i in range(ENGINES)]
     balancer.set_members([e.url for e in engines])
+    if isinstance(balancer, CacheAware):
+        for e in engines:  # as the stub's /server_info says (max_total_num_tokens)
+            balancer.report(e.url, capacity)
     events: list[tuple[float, int, Callable[[float], None]]] = []
     order = itertools.count()
     queue = list(reversed(jobs))
@@ -143,12 +146,14 @@ def cache_aware(settings: dict[str, float]) -> CacheAware:
         settings.get("balance_rel_threshold", default.rel_threshold),
     )
     threshold = settings.get("cache_threshold", rules.cache_threshold)
-    cache_bytes = settings.get("backend_cache_bytes")
+    tokens, per_token = settings.get("engine_cache_tokens"), settings.get("bytes_per_token")
     return CacheAware(
         CacheAwareRules(
             balance=rule,
             cache_threshold=threshold,
-            backend_cache_bytes=None if cache_bytes is None else int(cache_bytes),
+            engine_cache_tokens=None if tokens is None else int(tokens),
+            reported=bool(settings.get("reported", 1)),
+            bytes_per_token=per_token,
         )
     )
 
@@ -162,7 +167,8 @@ def main() -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="cache_threshold, balance_abs_threshold or balance_rel_threshold",
+        help="cache_threshold, balance_abs_threshold, balance_rel_threshold, "
+        "engine_cache_tokens, bytes_per_token, or reported=0 (engines' sizes unheard)",
     )
     args = parser.parse_args()
     settings = {k: float(v) for k, _, v in (item.partition("=") for item in args.set)}

@@ -369,31 +369,30 @@ class CacheAwareConfig(_Model):
     max_blocks_per_backend: Annotated[int, Field(ge=16, le=1 << 24)] = 32768
     # Bytes of each prompt matched: bounds the per-request cost (~1 us per KB).
     max_prompt_bytes: Annotated[int, Field(ge=1024, le=16 << 20)] = 256 << 10
-    # Tokens one engine's prefix cache holds (SGLang's max_total_num_tokens, from
-    # /get_server_info). With it, what the gateway remembers of a backend is bounded to
-    # engine_cache_tokens x bytes_per_token request bytes, what its cache can hold, so a
-    # prefix the engine has evicted stops drawing requests. Unset: bounded by blocks only.
-    # An estimate well under the engine's real size costs hits (docs/bench.md).
-    engine_cache_tokens: Annotated[int, Field(ge=1)] | None = None
+    # Tokens one engine's prefix cache holds: "reported", each engine's own figure from its
+    # /server_info (SGLang's max_total_num_tokens, times dp_size; none with a hierarchical
+    # cache, whose host tier holds more); a number, the same for all; "off", unbounded.
+    # What the gateway remembers of a backend is bounded to that many tokens of request
+    # bytes, so a prefix the engine has evicted stops drawing requests. An engine that
+    # reports nothing is bounded by blocks only. A figure well under the engine's real size
+    # costs hits (docs/bench.md).
+    engine_cache_tokens: Annotated[int, Field(ge=512)] | Literal["reported", "off"] = "reported"
     # Request bytes one prompt token takes in this traffic (English text in JSON: about 4;
-    # input_ids: about 6), for engine_cache_tokens.
-    bytes_per_token: Annotated[float, Field(gt=0, le=64)] = 4.0
-
-    def backend_cache_bytes(self) -> int | None:
-        if self.engine_cache_tokens is None:
-            return None
-        return int(self.engine_cache_tokens * self.bytes_per_token)
+    # input_ids: about 6); unset: learnt from the prompts (their words, or ids, per byte).
+    bytes_per_token: Annotated[float, Field(gt=0, le=64)] | None = None
 
     @model_validator(mode="after")
     def _holds_a_prompt(self) -> CacheAwareConfig:
         # Below a few KB every prompt evicts itself and cache_aware silently becomes
         # least_inflight: a mistyped size, never a real engine (they hold 10^5+ tokens).
-        size = self.backend_cache_bytes()
-        if size is not None and size < _MIN_ENGINE_CACHE_BYTES:
-            raise ValueError(
-                f"engine_cache_tokens x bytes_per_token is {size} bytes; at least "
-                f"{_MIN_ENGINE_CACHE_BYTES} are needed to remember one prompt"
-            )
+        tokens, per_token = self.engine_cache_tokens, self.bytes_per_token
+        if isinstance(tokens, int) and per_token is not None:
+            size = int(tokens * per_token)
+            if size < _MIN_ENGINE_CACHE_BYTES:
+                raise ValueError(
+                    f"engine_cache_tokens x bytes_per_token is {size} bytes; at least "
+                    f"{_MIN_ENGINE_CACHE_BYTES} are needed to remember one prompt"
+                )
         return self
 
 

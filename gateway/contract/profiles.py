@@ -150,6 +150,8 @@ class ServerInfo:
     speculative_algorithm: str | None = None
     sampling_backend: str | None = None
     disaggregation_mode: str | None = None
+    # Tokens its prefix cache can hold (gateway/fleet/cache_aware.py), None where unknown.
+    cache_tokens: int | None = None
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ServerInfo:
@@ -166,7 +168,22 @@ class ServerInfo:
             speculative_algorithm=None if speculative in (None, "", "NONE") else speculative,
             sampling_backend=text("sampling_backend"),
             disaggregation_mode=text("disaggregation_mode"),
+            cache_tokens=_cache_tokens(data),
         )
+
+
+def _cache_tokens(data: Mapping[str, Any]) -> int | None:
+    """The radix cache lives in the KV pool (max_total_num_tokens, per data-parallel rank,
+    each rank with a cache of its own). A hierarchical cache keeps more in host memory, so
+    its pool says too little: unknown; without a radix cache there is nothing to bound."""
+    pool, ranks = data.get("max_total_num_tokens"), data.get("dp_size", 1)
+    if not isinstance(pool, int) or isinstance(pool, bool) or pool <= 0:
+        return None
+    if data.get("enable_hierarchical_cache") is True or data.get("disable_radix_cache") is True:
+        return None
+    return pool * (
+        ranks if isinstance(ranks, int) and not isinstance(ranks, bool) and ranks > 0 else 1
+    )
 
 
 _RELEASE: Final = re.compile(r"v?(\d+)\.(\d+)\.(\d+)")

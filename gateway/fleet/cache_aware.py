@@ -39,15 +39,39 @@ NO_PROMPT: Final = "no_prompt"  # nothing to match: least loaded
 DECISIONS: Final = (MATCHED, BALANCED, UNMATCHED, NO_PROMPT)
 
 
+# Until the first prompt is sampled: between English text in JSON (~4-6 bytes a token) and
+# input_ids (~6-7).
+_FIRST_GUESS_BYTES_PER_TOKEN: Final = 6.0
+# One prompt in this many is counted for bytes_per_token, the first included.
+_SAMPLE_EVERY: Final = 16
+# The learnt figure moves the limits only when it moved this much (each move re-trims).
+_RELIMIT_STEP: Final = 0.02
+# Sampled tokens past which both sums are halved, so the figure follows a change of traffic.
+_SAMPLED_TOKENS_KEPT: Final = 1 << 24
+
+
+def prompt_tokens(body: bytes, start: int, end: int) -> int:
+    """About how many tokens `body[start:end]` of a prompt is, without a tokenizer, erring
+    on the few side: words of text (its spaces; a real tokenizer cuts English into ~1.3
+    tokens a word, a stub engine one), ids of an input_ids list (its commas, `[1,2]` and
+    `[1, 2]` alike), and at least one per 16 bytes (text without spaces: ~3-6 bytes a
+    token). Too few tokens makes the engine's cache seem larger than it is, which costs
+    nothing (prefix_index.py: 1.5x the true size changed nothing, 0.6x lost hits)."""
+    return max(body.count(b" ", start, end), body.count(b",", start, end), (end - start) >> 4, 1)
+
+
 @dataclass(frozen=True, slots=True)
 class CacheAwareRules:
     balance: BalanceRule = field(default_factory=BalanceRule)
     cache_threshold: float = 0.5  # sglang-router's is 0.3: see the module's docstring
     max_blocks_per_backend: int = 32768
     max_prompt_bytes: int = 256 << 10
-    # What one engine's prefix cache holds, in request bytes (config: engine_cache_tokens
-    # times bytes_per_token); None: bounded by blocks only.
-    backend_cache_bytes: int | None = None
+    # Tokens one engine's prefix cache holds, the same figure for all; None: each engine's
+    # own, as it reports it (`report`; SGLang's max_total_num_tokens), when `reported`.
+    engine_cache_tokens: int | None = None
+    reported: bool = True
+    # Request bytes a prompt token takes; None: learnt from the prompts (`prompt_tokens`).
+    bytes_per_token: float | None = None
 
 
 class RouteStats:
@@ -62,32 +86,102 @@ class RouteStats:
 
 
 class CacheAware:
-    """The balancer (gateway/fleet/balancers.py's protocol), plus `choose_prompt`."""
+    """The balancer (gateway/fleet/balancers.py's protocol), plus `choose_prompt`.
 
-    __slots__ = ("_counter", "_index", "rules", "stats")
+    What it remembers of a backend is bounded by that engine's cache, in request bytes:
+    its size in tokens (the rules' figure, or the one it reports) times the bytes a token
+    takes in this traffic (the rules' figure, or learnt from one prompt in _SAMPLE_EVERY)."""
+
+    __slots__ = (
+        "_bytes_per_token",
+        "_counter",
+        "_index",
+        "_members",
+        "_reported",
+        "_sample",
+        "_sampled_bytes",
+        "_sampled_tokens",
+        "rules",
+        "stats",
+    )
 
     def __init__(self, rules: CacheAwareRules = CacheAwareRules(), seed: int | None = None) -> None:
         self.rules = rules
-        self._index = PrefixIndex(rules.max_blocks_per_backend, rules.backend_cache_bytes)
+        self._index = PrefixIndex(rules.max_blocks_per_backend)
         self._counter = itertools.count(seed or 0)
         self.stats: dict[str, RouteStats] = {}
+        self._members: list[str] = []
+        self._reported: dict[str, int] = {}  # url -> the tokens its cache holds
+        self._sample = itertools.count()
+        self._sampled_bytes = 0
+        self._sampled_tokens = 0
+        self._bytes_per_token = rules.bytes_per_token or _FIRST_GUESS_BYTES_PER_TOKEN
 
     def inherit(self, previous: CacheAware) -> None:
         """Take over what a balancer this one replaces (a reload) learnt: the engines' caches
         did not change, and counters must not go back."""
         self._index = previous._index
-        self._index.resize(self.rules.max_blocks_per_backend, self.rules.backend_cache_bytes)
+        self._index.resize(self.rules.max_blocks_per_backend)
         self.stats = previous.stats
+        self._members = previous._members
+        self._reported = previous._reported
+        self._sampled_bytes = previous._sampled_bytes
+        self._sampled_tokens = previous._sampled_tokens
+        if self.rules.bytes_per_token is None:
+            self._bytes_per_token = previous._bytes_per_token
+        self._relimit()
 
     def set_members(self, urls: Sequence[str]) -> None:
         self._index.keep_only(urls)
+        self._members = list(urls)
         keep = set(urls)
         for url in [u for u in self.stats if u not in keep]:
             del self.stats[url]
+        for url in [u for u in self._reported if u not in keep]:
+            del self._reported[url]
+        self._relimit()
 
     def forget(self, url: str) -> None:
         """The backend restarted: its cache is empty."""
         self._index.forget(url)
+
+    def report(self, url: str, tokens: int | None) -> None:
+        """What the backend says its cache holds, in tokens (None: it did not say)."""
+        if tokens is None:
+            self._reported.pop(url, None)
+        else:
+            self._reported[url] = tokens
+        self._index.limit(url, self._limit(url))
+
+    def _limit(self, url: str) -> int | None:
+        rules = self.rules
+        tokens = rules.engine_cache_tokens
+        if tokens is None and rules.reported:
+            tokens = self._reported.get(url)
+        return None if tokens is None else int(tokens * self._bytes_per_token)
+
+    def _relimit(self) -> None:
+        for url in self._members:
+            self._index.limit(url, self._limit(url))
+
+    def cache_limit(self, url: str) -> int | None:
+        """The request bytes the backend's cache is taken to hold (None: unbounded)."""
+        return self._index.limit_of(url)
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self._bytes_per_token
+
+    def _learn(self, body: bytes, start: int, considered: int) -> None:
+        self._sampled_bytes += considered
+        self._sampled_tokens += prompt_tokens(body, start, start + considered)
+        if self._sampled_tokens > _SAMPLED_TOKENS_KEPT:
+            self._sampled_bytes >>= 1
+            self._sampled_tokens >>= 1
+        learnt = self._sampled_bytes / self._sampled_tokens
+        if abs(learnt - self._bytes_per_token) > _RELIMIT_STEP * self._bytes_per_token:
+            self._bytes_per_token = learnt
+            self._relimit()
 
     def held_blocks(self, url: str) -> int:
         return self._index.blocks(url)
@@ -131,6 +225,8 @@ class CacheAware:
             if m > best_blocks or (m == best_blocks and c.inflight < best.inflight):
                 best, best_blocks = c, m
         considered = min(len(body) - start, rules.max_prompt_bytes)
+        if rules.bytes_per_token is None and not next(self._sample) % _SAMPLE_EVERY:
+            self._learn(body, start, considered)
         matched = ends[best_blocks - 1] if best_blocks else 0
         if not best_blocks or matched < rules.cache_threshold * considered:
             chosen, decision = least, UNMATCHED

@@ -58,12 +58,15 @@ def make_balancer(cfg: BackendsConfig, name: str | None = None) -> Balancer:
     rule = BalanceRule(cfg.balance_abs_threshold, cfg.balance_rel_threshold)
     if name == "cache_aware":
         c = cfg.cache_aware
+        tokens = c.engine_cache_tokens
         rules = CacheAwareRules(
             rule,
             c.cache_threshold,
             c.max_blocks_per_backend,
             c.max_prompt_bytes,
-            c.backend_cache_bytes(),
+            engine_cache_tokens=tokens if isinstance(tokens, int) else None,
+            reported=tokens == "reported",
+            bytes_per_token=c.bytes_per_token,
         )
         return CacheAware(rules, cfg.seed)
     if name == "consistent_hash":

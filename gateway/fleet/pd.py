@@ -54,6 +54,9 @@ class PdRouting:
     def balancer(self, role: str) -> Balancer:
         return self._balancers[role]
 
+    def balancers(self) -> list[Balancer]:
+        return list(self._balancers.values())
+
     def set_members(self, urls: Sequence[str]) -> None:
         # Each balancer is told every member: it only ever chooses among the candidates of
         # its role that the pool offers, so a ring over all members stays correct.

@@ -306,6 +306,11 @@ class BackendPool:
         self.prefix = prefix
         self._rules = rules
         self._reprofile()
+        # A balancer that was not cache_aware before has heard no engine's size yet.
+        for prefix in self._prefix_balancers():
+            for b in self.backends:
+                if b.server_info is not None:
+                    prefix.report(b.url, b.server_info.cache_tokens)
 
     # -- what each backend admits ----------------------------------------------------------
 
@@ -315,6 +320,8 @@ class BackendPool:
         if info != b.server_info and info is not None:
             b.server_info = info
             self._reprofile()
+            for prefix in self._prefix_balancers():
+                prefix.report(b.url, info.cache_tokens)
 
     def forget(self, b: Backend) -> None:
         """What `b` said about itself may be stale (it restarted): ask again."""
@@ -325,6 +332,12 @@ class BackendPool:
             self.prefix.forget(b.url)  # and its prefix cache with it
         if self.pd is not None:
             self.pd.forget(b.url)
+
+    def _prefix_balancers(self) -> list[CacheAware]:
+        found = [self.prefix] if self.prefix is not None else []
+        if self.pd is not None:
+            found += [b for b in self.pd.balancers() if isinstance(b, CacheAware)]
+        return found
 
     def _reprofile(self) -> None:
         # A backend of unknown release gets every known rule at once, with the smallest cap

@@ -31,14 +31,14 @@ so the default 32,768 blocks per backend are ~3.5-4 MB and stand for far more pr
 an engine caches (~4 bytes a token). A backend that leaves or restarts is forgotten whole
 (its cache is gone).
 
-With `max_bytes` (cache_aware.engine_cache_tokens times bytes_per_token) a backend's blocks
-are also bounded by the prompt bytes they stand for, evicted least recently used first as
-the engine's own cache evicts: the index then holds what the engine can still hold, and a
-prefix it has evicted stops drawing requests to it. In a replay of the routing trace
-(bench/routing_replay.py, 8 seeds) with each engine caching 1/16 of the working set, the
-true size took the hit rate from 0.727 to 0.765 and the uncached imbalance from 1.31 to
-1.09; 0.6x the true size lost hits (0.696), 1.5x changed nothing (0.735); with caches of
-1/8 and more nothing changed.
+A backend may also be given a byte limit (`limit`: the engine's cache size in request bytes,
+gateway/fleet/cache_aware.py): its blocks are then bounded by the prompt bytes they stand
+for too, evicted least recently used first as the engine's own cache evicts, so the index
+holds what the engine can still hold and a prefix it has evicted stops drawing requests to
+it. In a replay of the routing trace (bench/routing_replay.py, 8 seeds) with each engine
+caching 1/16 of the working set, the true size took the hit rate from 0.727 to 0.765 and
+the uncached imbalance from 1.31 to 1.09; 0.6x the true size lost hits (0.696), 1.5x changed
+nothing (0.735); with caches of 1/8 and more nothing changed.
 """
 
 from __future__ import annotations
@@ -100,19 +100,19 @@ class Prompt:
 
 class PrefixIndex:
     """Per backend URL, the prompt-prefix blocks it recently served: at most `max_blocks`,
-    and with `max_bytes` at most that many prompt bytes (the engine's cache, in the bytes of
-    the requests that filled it), so what the index holds is what the engine can still
-    hold. Each gateway worker keeps its own index of its own traffic: with --workers N each
-    sees about 1/N of what filled the engine, so its bound errs on the generous side."""
+    and with a `limit` set for it at most that many prompt bytes (the engine's cache, in the
+    bytes of the requests that filled it), so what the index holds is what the engine can
+    still hold. Each gateway worker keeps its own index of its own traffic: with --workers N
+    each sees about 1/N of what filled the engine, so its bound errs on the generous side."""
 
-    __slots__ = ("_bytes", "_max_blocks", "_max_bytes", "_served")
+    __slots__ = ("_bytes", "_limits", "_max_blocks", "_served")
 
-    def __init__(self, max_blocks: int, max_bytes: int | None = None) -> None:
+    def __init__(self, max_blocks: int) -> None:
         self._max_blocks = max_blocks
-        self._max_bytes = max_bytes
         # name -> the bytes of its block
         self._served: dict[str, OrderedDict[int, int]] = {}
         self._bytes: dict[str, int] = {}
+        self._limits: dict[str, int] = {}
 
     def matched(self, url: str, names: Sequence[int]) -> int:
         """How many of the leading `names` `url` holds (its longest prefix match, in blocks)."""
@@ -152,16 +152,29 @@ class PrefixIndex:
 
     def _trim(self, url: str, served: OrderedDict[int, int]) -> None:
         held = self._bytes.get(url, 0)
-        limit = self._max_bytes
+        limit = self._limits.get(url)
         while served and (len(served) > self._max_blocks or (limit is not None and held > limit)):
             held -= served.popitem(last=False)[1]
         self._bytes[url] = held
 
-    def resize(self, max_blocks: int, max_bytes: int | None = None) -> None:
+    def resize(self, max_blocks: int) -> None:
         self._max_blocks = max_blocks
-        self._max_bytes = max_bytes
         for url, served in self._served.items():
             self._trim(url, served)
+
+    def limit(self, url: str, max_bytes: int | None) -> None:
+        """Bound what `url` is remembered to hold to `max_bytes` prompt bytes (None: by
+        blocks only), evicting its least recent blocks now if it holds more."""
+        if max_bytes is None:
+            self._limits.pop(url, None)
+            return
+        self._limits[url] = max_bytes
+        served = self._served.get(url)
+        if served is not None:
+            self._trim(url, served)
+
+    def limit_of(self, url: str) -> int | None:
+        return self._limits.get(url)
 
     def forget(self, url: str) -> None:
         """`url` left or restarted: what it cached is gone."""
@@ -174,6 +187,8 @@ class PrefixIndex:
         for url in [u for u in self._served if u not in keep]:
             del self._served[url]
             self._bytes.pop(url, None)
+        for url in [u for u in self._limits if u not in keep]:
+            del self._limits[url]
 
     def held_bytes(self, url: str) -> int:
         return self._bytes.get(url, 0)

@@ -328,7 +328,8 @@ class _CacheAwareCollector(Collector):
         if prefix is None:
             return ()
         families = self._families()
-        decisions, matched, prompt, blocks = families
+        decisions, matched, prompt, blocks, limits, per_token = families
+        per_token.add_metric([], prefix.bytes_per_token)
         members = [b.url for b in self._pool.backends]
         for url in members:
             stats = prefix.stats.get(url) or RouteStats()
@@ -337,11 +338,19 @@ class _CacheAwareCollector(Collector):
             matched.add_metric([url], float(stats.matched_bytes))
             prompt.add_metric([url], float(stats.prompt_bytes))
             blocks.add_metric([url], float(prefix.held_blocks(url)))
+            limit = prefix.cache_limit(url)
+            if limit is not None:
+                limits.add_metric([url], float(limit))
         return families
 
     @staticmethod
     def _families() -> tuple[
-        CounterMetricFamily, CounterMetricFamily, CounterMetricFamily, GaugeMetricFamily
+        CounterMetricFamily,
+        CounterMetricFamily,
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        GaugeMetricFamily,
+        GaugeMetricFamily,
     ]:
         p = PREFIX + "cache_aware_"
         return (
@@ -369,6 +378,18 @@ class _CacheAwareCollector(Collector):
                 p + "index_blocks",
                 "Prompt-prefix blocks the gateway remembers the backend served.",
                 labels=["backend"],
+            ),
+            GaugeMetricFamily(
+                p + "cache_limit_bytes",
+                "Prompt bytes the gateway takes the backend's prefix cache to hold (the "
+                "tokens it reports or configured, times bytes_per_token); absent while "
+                "unbounded.",
+                labels=["backend"],
+            ),
+            GaugeMetricFamily(
+                p + "bytes_per_token",
+                "Request bytes a prompt token is taken to take: configured, or learnt from "
+                "the prompts.",
             ),
         )
 

@@ -152,6 +152,30 @@ def test_release_rules(version: str | None, rule: MaskRule) -> None:
     assert rule_of(version) is rule
 
 
+@pytest.mark.parametrize(
+    ("info", "tokens"),
+    [
+        # SGLang 0.5.23's /server_info: scheduler_info's max_total_num_tokens merged in at
+        # the top (sglang/srt/utils/common.py, build_server_info), beside the server args.
+        ({"max_total_num_tokens": 500_000, "dp_size": 1}, 500_000),
+        ({"max_total_num_tokens": 500_000}, 500_000),
+        # Each data-parallel rank has a pool and a radix cache of its own.
+        ({"max_total_num_tokens": 500_000, "dp_size": 4}, 2_000_000),
+        # A host tier holds more than the pool says; no radix cache, nothing to bound.
+        ({"max_total_num_tokens": 500_000, "enable_hierarchical_cache": True}, None),
+        ({"max_total_num_tokens": 500_000, "disable_radix_cache": True}, None),
+        ({"max_total_num_tokens": 500_000, "enable_hierarchical_cache": False}, 500_000),
+        ({}, None),
+        ({"max_total_num_tokens": 0}, None),
+        ({"max_total_num_tokens": "500000"}, None),
+        ({"max_total_num_tokens": True}, None),
+        ({"max_total_num_tokens": 1000, "dp_size": "2"}, 1000),
+    ],
+)
+def test_the_cache_size_an_engine_reports(info: dict[str, object], tokens: int | None) -> None:
+    assert ServerInfo.from_json({"version": "0.5.23", **info}).cache_tokens == tokens
+
+
 def test_profiles_from_server_info() -> None:
     info = ServerInfo.from_json(
         {"version": "0.5.23", "sampling_mask_max_tokens": 64, "speculative_algorithm": "EAGLE"}

@@ -19,6 +19,7 @@ from gateway.fleet.cache_aware import (
     UNMATCHED,
     CacheAware,
     CacheAwareRules,
+    prompt_tokens,
 )
 from gateway.fleet.membership import make_balancer
 from gateway.fleet.pool import Backend, BackendPool, Health
@@ -99,7 +100,8 @@ def test_eviction_keeps_every_backend_prefix_closed() -> None:
 
 def test_a_byte_bound_holds_what_the_engine_can_and_stays_prefix_closed() -> None:
     limit = 20_000
-    index = PrefixIndex(1 << 20, max_bytes=limit)
+    index = PrefixIndex(1 << 20)
+    index.limit(URLS[0], limit)
     rng = random.Random(9)
     prompts = [words(rng.randrange(100, 2000), rng.randrange(1 << 30)) for _ in range(80)]
     for p in prompts:
@@ -120,6 +122,14 @@ def test_a_byte_bound_holds_what_the_engine_can_and_stays_prefix_closed() -> Non
     assert unbounded.matched(URLS[0], names(prompts[0])) == len(names(prompts[0]))
     index.forget(URLS[0])
     assert index.held_bytes(URLS[0]) == 0
+    # A limit set later trims at once, least recent first; another backend keeps its own.
+    for p in prompts:
+        record(unbounded, URLS[1], p)
+    unbounded.limit(URLS[0], limit)
+    assert unbounded.held_bytes(URLS[0]) <= limit < unbounded.held_bytes(URLS[1])
+    assert unbounded.matched(URLS[0], names(prompts[-1])) == len(names(prompts[-1]))
+    unbounded.keep_only(URLS[1:])
+    assert unbounded.limit_of(URLS[0]) is None
 
 
 def test_forget_and_keep_only_drop_what_a_backend_served() -> None:
@@ -262,7 +272,9 @@ def test_a_prefix_the_engine_has_evicted_stops_drawing_requests() -> None:
         cache_aware=CacheAwareConfig(engine_cache_tokens=2000, bytes_per_token=4.0),
     )
     ca = make_balancer(cfg)
-    assert isinstance(ca, CacheAware) and ca.rules.backend_cache_bytes == 8000
+    assert isinstance(ca, CacheAware)
+    ca.set_members(URLS[:2])
+    assert ca.cache_limit(URLS[0]) == 8000
     backends = fleet(2)
     first = words(600, 30)
     owner = ca.choose_prompt(backends, first, 0)
@@ -285,9 +297,91 @@ def test_a_prefix_the_engine_has_evicted_stops_drawing_requests() -> None:
 
 
 def test_an_engine_size_too_small_to_hold_a_prompt_is_refused() -> None:
-    with pytest.raises(ValueError, match="engine_cache_tokens x bytes_per_token is 400 bytes"):
-        CacheAwareConfig(engine_cache_tokens=100, bytes_per_token=4.0)
-    assert CacheAwareConfig(engine_cache_tokens=1024).backend_cache_bytes() == 4096
+    with pytest.raises(ValueError, match="engine_cache_tokens x bytes_per_token is 2400 bytes"):
+        CacheAwareConfig(engine_cache_tokens=600, bytes_per_token=4.0)
+    assert CacheAwareConfig(engine_cache_tokens=1024, bytes_per_token=4.0)
+    with pytest.raises(ValueError, match="greater than or equal to 512"):
+        CacheAwareConfig(engine_cache_tokens=100)
+    with pytest.raises(ValueError):
+        CacheAwareConfig(engine_cache_tokens="auto")  # type: ignore[arg-type]
+
+
+def test_each_engine_is_bounded_by_the_size_it_reports() -> None:
+    """engine_cache_tokens "reported" (the default): each engine's own max_total_num_tokens
+    (gateway/contract/profiles.py reads it from /server_info), times the bytes a token
+    takes, learnt from the prompts when not configured."""
+    ca = make_balancer(BackendsConfig(static=URLS, balancer="cache_aware"))
+    assert isinstance(ca, CacheAware)
+    ca.set_members(URLS)
+    backends = fleet()
+    assert ca.cache_limit(URLS[0]) is None  # nothing said: bounded by blocks only
+    ca.report(URLS[0], 1000)
+    ca.report(URLS[1], 4000)
+    # `w123456 ` words: about 8 bytes a token, learnt from the first prompt.
+    for i in range(40):
+        ca.choose_prompt(backends, words(300, 100 + i), 0)
+    assert 7.0 < ca.bytes_per_token < 8.5
+    small, large = ca.cache_limit(URLS[0]), ca.cache_limit(URLS[1])
+    assert small == int(1000 * ca.bytes_per_token) and large == int(4000 * ca.bytes_per_token)
+    for i in range(30):
+        ca.choose_prompt([backends[0]], words(300, 200 + i), 0)
+        ca.choose_prompt([backends[1]], words(300, 200 + i), 0)
+    assert ca._index.held_bytes(URLS[0]) <= small < ca._index.held_bytes(URLS[1]) <= large
+    assert ca.cache_limit(URLS[2]) is None
+    ca.report(URLS[0], None)  # it no longer says
+    assert ca.cache_limit(URLS[0]) is None
+    # A fixed figure wins over what engines report; "off" hears none.
+    fixed = make_balancer(
+        BackendsConfig(
+            static=URLS,
+            balancer="cache_aware",
+            cache_aware=CacheAwareConfig(engine_cache_tokens=2000, bytes_per_token=5.0),
+        )
+    )
+    off = make_balancer(
+        BackendsConfig(
+            static=URLS,
+            balancer="cache_aware",
+            cache_aware=CacheAwareConfig(engine_cache_tokens="off"),
+        )
+    )
+    for b in (fixed, off):
+        assert isinstance(b, CacheAware)
+        b.set_members(URLS)
+        b.report(URLS[0], 1000)
+    assert isinstance(fixed, CacheAware) and fixed.cache_limit(URLS[0]) == 10_000
+    assert isinstance(off, CacheAware) and off.cache_limit(URLS[0]) is None
+
+
+@pytest.mark.parametrize(
+    ("prompt", "tokens"),
+    [
+        (b"one two three four", 3),  # words (spaces between them)
+        (b"[1, 2, 3, 4, 5]", 4),  # ids as json.dumps writes them
+        (b"[1,2,3,4,5]", 4),  # and as orjson does
+        (rb"\u4f60\u597d" * 8, 6),  # no spaces (escaped CJK): one per 16 bytes
+        (b"x", 1),
+    ],
+)
+def test_a_prompts_tokens_are_estimated_without_a_tokenizer(prompt: bytes, tokens: int) -> None:
+    assert prompt_tokens(prompt, 0, len(prompt)) == tokens
+
+
+def test_the_learnt_bytes_per_token_follow_the_traffic() -> None:
+    ca = balancer()
+    backends = fleet()
+    ids = b"[" + b", ".join(b"%d" % (10_000 + i) for i in range(400)) + b"]"
+    for _ in range(16 * 4):
+        ca.choose_prompt(backends, ids, 0)
+    assert 6.9 < ca.bytes_per_token < 7.1  # "10000, " is 7 bytes an id
+    ca.report(URLS[0], 1000)
+    before = ca.cache_limit(URLS[0])
+    text = b'"' + words(400, 5)
+    for _ in range(16 * 200):
+        ca.choose_prompt(backends, text, 0)
+    assert ca.bytes_per_token > 7.5  # "w123456 " words: 8 bytes
+    after = ca.cache_limit(URLS[0])
+    assert before is not None and after is not None and after > before
 
 
 def test_the_pool_routes_by_prompt_and_forgets_a_restarted_backend() -> None:

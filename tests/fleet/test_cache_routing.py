@@ -186,3 +186,56 @@ async def test_session_affinity_spills_when_its_worker_is_overloaded(
     before = served(engines)
     await generate(session, gw, "turn three", **key)
     assert which(before, served(engines)) == owner  # back home once the load is gone
+
+
+@pytest.mark.parametrize("bounded", [True, False])
+async def test_the_gateway_forgets_what_the_engine_evicted(
+    make_gateway: GatewayFactory, session: aiohttp.ClientSession, bounded: bool
+) -> None:
+    """Each engine says in /server_info what its cache holds (max_total_num_tokens); by
+    default the gateway bounds what it remembers of it to that, so where it believes a
+    prompt cached, the engine has it cached, and where the engine evicted it, the gateway
+    no longer sends the prompt there for its cache. With the bound off it keeps believing."""
+    small = [StubBackend(prefix_cache=PrefixCache(2048, 16)) for _ in range(2)]
+    for e in small:
+        await e.start()
+    try:
+        cache = {} if bounded else {"cache_aware": {"engine_cache_tokens": "off"}}
+        gw = await make_gateway(
+            *(e.url for e in small), backends={"balancer": "cache_aware", **cache}
+        )
+        await wait_for(lambda: all(b.server_info is not None for b in gw.pool.backends))
+        assert [b.server_info and b.server_info.cache_tokens for b in gw.pool.backends] == [
+            2048,
+            2048,
+        ]
+        prefix = gw.pool.prefix
+        assert prefix is not None
+        # 24 prompts of 300 tokens: 3,600 for each engine, whose caches hold 2,048.
+        prompts = [text(300, 7000 + i) for i in range(24)]
+        for p in prompts:
+            await generate(session, gw, p)
+        limits = [prefix.cache_limit(b.url) for b in gw.pool.backends]
+        if bounded:
+            # `w123456 ` words, one stub token each: 8 bytes a token.
+            assert 7.5 < prefix.bytes_per_token < 8.5
+            assert limits == [int(2048 * prefix.bytes_per_token)] * 2
+        else:
+            assert limits == [None, None]
+        # The first prompt is evicted wherever it went; the last is held whole.
+        before = {u: s.decisions.copy() for u, s in prefix.stats.items()}
+        first = await generate(session, gw, prompts[0] + " " + text(20, 1))
+        last = await generate(session, gw, prompts[-1] + " " + text(20, 2))
+        assert first["cached_tokens"] == 0 and last["cached_tokens"] >= 288
+        decided = {
+            d: sum(s.decisions[d] - before.get(u, {}).get(d, 0) for u, s in prefix.stats.items())
+            for d in ("matched", "unmatched")
+        }
+        # Bounded: the evicted one is placed by load (unmatched), the held one matched.
+        # Unbounded: the gateway still thinks the first cached (matched twice).
+        assert decided == (
+            {"matched": 1, "unmatched": 1} if bounded else {"matched": 2, "unmatched": 0}
+        )
+    finally:
+        for e in small:
+            await e.stop()

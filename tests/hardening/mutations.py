@@ -1552,6 +1552,27 @@ MUTATIONS = [
         "                size = 0",
         ["tests/fleet/test_cache_aware.py"],
     ),
+    (
+        "the pool never passes on the cache size an engine reports",
+        "gateway/fleet/pool.py",
+        "                prefix.report(b.url, info.cache_tokens)",
+        "                prefix.report(b.url, None)",
+        ["tests/fleet/test_cache_routing.py"],
+    ),
+    (
+        "the learnt bytes per token never move from the first guess",
+        "gateway/fleet/cache_aware.py",
+        "            self._bytes_per_token = learnt\n",
+        "            pass\n",
+        ["tests/fleet/test_cache_aware.py"],
+    ),
+    (
+        "an engine's pool is taken as its cache with a hierarchical cache on",
+        "gateway/contract/profiles.py",
+        'data.get("enable_hierarchical_cache") is True or ',
+        "",
+        ["tests/contract/test_profiles.py"],
+    ),
 ]
 
 

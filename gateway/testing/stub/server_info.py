@@ -70,9 +70,22 @@ class ServerInfoRoutes(StubCore):
                 "sampling_backend": "flashinfer",
                 "disaggregation_mode": "null",
                 "context_length": 32768,
+                "dp_size": 1,
+                "enable_hierarchical_cache": False,
+                "disable_radix_cache": not self._kv_tokens_cached(),
+                # scheduler_info's, merged in at the top (utils/common.py build_server_info)
+                "max_total_num_tokens": self._kv_tokens(),
                 "internal_states": [{"last_gen_throughput": 0.0}],
             }
         )
+
+    def _kv_tokens_cached(self) -> int:
+        cache = self.prefix_cache
+        return cache.capacity_tokens if cache is not None else 0
+
+    def _kv_tokens(self) -> int:
+        # The radix cache lives in the KV pool: a stub with a cache claims that as its pool.
+        return self._kv_tokens_cached() or _MAX_TOTAL_TOKENS
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
         card = {
@@ -108,7 +121,7 @@ class ServerInfoRoutes(StubCore):
         if self.release.patch >= 23:
             core["num_prealloc_ready_tokens"] = 0
         return core | {
-            "max_total_num_tokens": _MAX_TOTAL_TOKENS,
+            "max_total_num_tokens": self._kv_tokens(),
             "max_running_requests": _MAX_RUNNING_REQUESTS,
             "token_usage": 0.0,
             "gen_throughput": 0.0,
@@ -136,7 +149,7 @@ class ServerInfoRoutes(StubCore):
         # SGLang always builds these three; spec and lora only with those features on.
         if "memory" in sections:
             memory = {"weight_gb": 0.0, "kv_cache_gb": 0.0, "graph_gb": 0.0}
-            load["memory"] = memory | {"token_capacity": _MAX_TOTAL_TOKENS}
+            load["memory"] = memory | {"token_capacity": self._kv_tokens()}
         if "disagg" in sections:
             load["disaggregation"] = {
                 "mode": "null",
