@@ -44,6 +44,9 @@ DECISIONS: Final = (MATCHED, BALANCED, UNMATCHED, NO_PROMPT)
 _FIRST_GUESS_BYTES_PER_TOKEN: Final = 6.0
 # One prompt in this many is counted for bytes_per_token, the first included.
 _SAMPLE_EVERY: Final = 16
+# Of a sampled prompt, the bytes counted: its kind of text shows in its start as well as in
+# the whole, at ~10 us instead of ~150 for a prompt of 256 KB.
+_SAMPLE_BYTES: Final = 16 << 10
 # The learnt figure moves the limits only when it moved this much (each move re-trims).
 _RELIMIT_STEP: Final = 0.02
 # Sampled tokens past which both sums are halved, so the figure follows a change of traffic.
@@ -173,8 +176,9 @@ class CacheAware:
         return self._bytes_per_token
 
     def _learn(self, body: bytes, start: int, considered: int) -> None:
-        self._sampled_bytes += considered
-        self._sampled_tokens += prompt_tokens(body, start, start + considered)
+        counted = min(considered, _SAMPLE_BYTES)
+        self._sampled_bytes += counted
+        self._sampled_tokens += prompt_tokens(body, start, start + counted)
         if self._sampled_tokens > _SAMPLED_TOKENS_KEPT:
             self._sampled_bytes >>= 1
             self._sampled_tokens >>= 1
