@@ -5,9 +5,11 @@ same 4 stub engines with a prefix cache.
     python bench/routing.py --smoke         # a short one (tests/test_routing_bench.py)
 
 Engines: `python -m gateway.testing.stub` with a prefix cache bounded as a real engine's KV
-memory bounds its radix cache: each holds `--cache-ratio` (1/8) of the mixed trace's working
-set, so the 4 engines hold half of it, and only if the router partitions it (where a
-conversation goes decides whether it stays cached). Prefill takes time per uncached token,
+memory bounds its radix cache: each holds `--cache-ratio` (1/16) of the mixed trace's working
+set, so the 4 engines hold a quarter of it, and the live sessions only if the router
+partitions them (where a conversation goes decides whether it stays cached). At 1/8 and
+more, round robin reaches over half the trace's ceiling, so no router can be at twice its
+hit rate there (docs/bench.md, "Against the cache size"). Prefill takes time per uncached token,
 so a lost cache, or a pile-up, shows in latency. Between runs every engine flushes its
 cache; each seed gets fresh engines sized to its trace, the same for every router.
 Routers: the gateway with `cache_aware` and `least_inflight`,
@@ -601,7 +603,7 @@ def main() -> None:
     parser.add_argument(
         "--cache-ratio",
         type=float,
-        default=0.125,
+        default=0.0625,
         help="each engine's prefix cache as a fraction of the mixed trace's working set",
     )
     parser.add_argument(

@@ -2,7 +2,7 @@
 cache in one process, no sockets, ~0.3 s a run, so a decision rule can be judged over many
 seeds before the real benchmark (bench/routing.py) checks it.
 
-    python bench/routing_replay.py --seeds 16 --cache-ratio 0.125 \\
+    python bench/routing_replay.py --seeds 16 --cache-ratio 0.0625 \\
         --set cache_threshold=0.3 --set balance_abs_threshold=12
 
 Each engine is a `PrefixCache` whose prefill queues (one at a time, per uncached token) and
@@ -161,7 +161,7 @@ def cache_aware(settings: dict[str, float]) -> CacheAware:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=16, help="seeds 22, 23, ... (16)")
-    parser.add_argument("--cache-ratio", type=float, default=0.125)
+    parser.add_argument("--cache-ratio", type=float, default=0.0625)  # as bench/routing.py
     parser.add_argument(
         "--set",
         action="append",

@@ -483,3 +483,63 @@ def test_among_equal_matches_the_least_loaded_wins() -> None:
     assert ca.choose_prompt([a, b, c], prompt + b" q1", 0) is b
     a.inflight, b.inflight = 1, 2
     assert ca.choose_prompt([a, b, c], prompt + b" q2", 0) is a
+
+
+def test_new_work_goes_where_the_cache_is_least_pressed() -> None:
+    """A request no backend holds goes to the least loaded, unless its cache and those of
+    the backends near it in load have all turned over lately: then to the least pressed
+    (prompt bytes sent lately over the bytes its cache holds), within 3 in flight."""
+    ca = balancer(bytes_per_token=1.0)
+    a, b = backends = fleet(2)
+    ca.set_members(URLS[:2])
+    fresh = (words(200, 900 + i) for i in range(10**6))
+    # Sizes unknown: load alone decides, however much was sent where.
+    for _ in range(20):
+        ca.choose_prompt([a], next(fresh), 0)
+    b.inflight = 1
+    assert ca.choose_prompt(backends, next(fresh), 0) is a
+    # Both report 1,000 tokens (1,000 bytes here); a was sent ~30 KB lately, b ~2 KB.
+    ca.report(a.url, 1000)
+    ca.report(b.url, 1000)
+    for _ in range(2):
+        ca.choose_prompt([b], next(fresh), 0)
+    for b.inflight in (1, 3):
+        assert ca.choose_prompt(backends, next(fresh), 0) is b  # b is least pressed
+        ca.choose_prompt([a], next(fresh), 0)  # a stays the more pressed
+    b.inflight = 4  # past the slack: the least loaded after all
+    assert ca.choose_prompt(backends, next(fresh), 0) is a
+    # A prefix one of them holds still goes there: pressure only places new work.
+    held = next(fresh)
+    ca.choose_prompt([a], held, 0)
+    b.inflight = 0
+    assert ca.choose_prompt(backends, held + b" more", 0) is a
+    # Pressure fades: after 200 prompts to b alone, a's turnover is under its cache and
+    # load decides again (b is the least loaded, however pressed).
+    assert ca._pressure[a.url] / ca._scale > 1000
+    for _ in range(200):
+        ca.choose_prompt([b], next(fresh), 0)
+    assert ca._pressure[a.url] / ca._scale < 1000
+    a.inflight, b.inflight = 1, 0
+    assert ca.choose_prompt(backends, next(fresh), 0) is b
+
+
+def test_caches_not_pressed_are_placed_by_load() -> None:
+    ca = balancer(bytes_per_token=1.0)
+    a, b = backends = fleet(2)
+    ca.set_members(URLS[:2])
+    ca.report(a.url, 1 << 20)
+    ca.report(b.url, 1 << 20)  # a MB each: a few KB sent is no pressure
+    for i in range(10):
+        ca.choose_prompt([a], words(200, 50 + i), 0)
+    b.inflight = 1
+    assert ca.choose_prompt(backends, words(200, 99), 0) is a
+    # A restart forgets the pressure with the cache.
+    ca.forget(a.url)
+    assert a.url not in ca._pressure
+    # Kept scaled up and rescaled now and then, it stays the decayed sum: for one prompt
+    # size sent again and again, 49 of them (0.98 / (1 - 0.98)).
+    prompt = words(200, 7)
+    for _ in range(3000):
+        ca.choose_prompt([b], prompt, 0)
+    assert 1 <= ca._scale < 1e12
+    assert ca._pressure[b.url] / ca._scale == pytest.approx(49 * len(prompt), rel=1e-6)

@@ -1567,6 +1567,20 @@ MUTATIONS = [
         ["tests/fleet/test_cache_aware.py"],
     ),
     (
+        "new work is placed by load alone, however pressed the caches",
+        "gateway/fleet/cache_aware.py",
+        "        return calmest if calm > self._scale else least",
+        "        return least",
+        ["tests/fleet/test_cache_aware.py"],
+    ),
+    (
+        "pressure is rescaled without its scale",
+        "gateway/fleet/cache_aware.py",
+        "                pressure[u] /= scale",
+        "                pressure[u] /= 1.0",
+        ["tests/fleet/test_cache_aware.py"],
+    ),
+    (
         "an engine's pool is taken as its cache with a hierarchical cache on",
         "gateway/contract/profiles.py",
         'data.get("enable_hierarchical_cache") is True or ',
