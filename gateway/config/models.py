@@ -23,6 +23,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SecretStr,
+    field_validator,
     model_validator,
 )
 
@@ -380,6 +381,26 @@ class CacheAwareConfig(_Model):
     # Request bytes one prompt token takes in this traffic (English text in JSON: about 4;
     # input_ids: about 6); unset: learnt from the prompts (their words, or ids, per byte).
     bytes_per_token: Annotated[float, Field(gt=0, le=64)] | None = None
+    # A request no backend holds goes to the least pressed cache near the least loaded
+    # backend when every cache there has turned over lately (gateway/fleet/cache_aware.py).
+    place_by_pressure: bool = True
+
+    @field_validator("engine_cache_tokens", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare `off` as false (and `on` as true: no size at all).
+        if isinstance(value, bool):
+            if value:
+                raise ValueError('a token count, "reported" or "off"')
+            return "off"
+        return value
+
+    @field_validator("bytes_per_token", mode="before")
+    @classmethod
+    def _not_a_flag(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError("a number of bytes, or null to learn it")
+        return value
 
     @model_validator(mode="after")
     def _holds_a_prompt(self) -> CacheAwareConfig:

@@ -41,6 +41,8 @@ NO_PROMPT: Final = "no_prompt"  # nothing to match: least loaded
 DECISIONS: Final = (MATCHED, BALANCED, UNMATCHED, NO_PROMPT)
 
 
+# The least a backend's cache is taken to hold, in request bytes: about one prompt.
+MIN_CACHE_BYTES: Final = 4096
 # Until the first prompt is sampled: between English text in JSON (~4-6 bytes a token) and
 # input_ids (~6-7).
 _FIRST_GUESS_BYTES_PER_TOKEN: Final = 6.0
@@ -51,9 +53,11 @@ _SAMPLE_EVERY: Final = 16
 _SAMPLE_BYTES: Final = 16 << 10
 # The learnt figure moves the limits only when it moved this much (each move re-trims).
 _RELIMIT_STEP: Final = 0.02
-# Cache pressure: the prompt bytes sent to a backend lately (each prompt's weight decays by
-# this factor per prompt routed, so about the last 50), over the bytes its cache holds.
-_PRESSURE_DECAY: Final = 0.98
+# Cache pressure: the prompt bytes sent to a backend lately, over the bytes its cache holds.
+# "Lately": each prompt's weight decays per prompt routed, by 1 - 1 / (this x members),
+# so about the last this-many prompts of each backend count, whatever the fleet's size
+# (0.98 per prompt with 4 backends, the setting measured).
+_PRESSURE_PROMPTS: Final = 12.5
 # Placed by pressure, a request may go to a backend this many in flight over the least
 # loaded.
 _PRESSURE_SLACK: Final = 3
@@ -85,6 +89,8 @@ class CacheAwareRules:
     reported: bool = True
     # Request bytes a prompt token takes; None: learnt from the prompts (`prompt_tokens`).
     bytes_per_token: float | None = None
+    # New work placed away from caches that are turning over (`_place`).
+    place_by_pressure: bool = True
 
 
 class RouteStats:
@@ -108,6 +114,7 @@ class CacheAware:
     __slots__ = (
         "_bytes_per_token",
         "_counter",
+        "_decay",
         "_index",
         "_members",
         "_pressure",
@@ -133,6 +140,7 @@ class CacheAware:
         self._bytes_per_token = rules.bytes_per_token or _FIRST_GUESS_BYTES_PER_TOKEN
         self._pressure: dict[str, float] = {}  # url -> recent prompt bytes, times _scale
         self._scale = 1.0
+        self._decay = 1.0
 
     def inherit(self, previous: CacheAware) -> None:
         """Take over what a balancer this one replaces (a reload) learnt: the engines' caches
@@ -146,6 +154,7 @@ class CacheAware:
         self._sampled_tokens = previous._sampled_tokens
         self._pressure = previous._pressure
         self._scale = previous._scale
+        self._decay = previous._decay
         if self.rules.bytes_per_token is None:
             self._bytes_per_token = previous._bytes_per_token
         self._relimit()
@@ -160,6 +169,7 @@ class CacheAware:
             del self._reported[url]
         for url in [u for u in self._pressure if u not in keep]:
             del self._pressure[url]
+        self._decay = 1 - 1 / (_PRESSURE_PROMPTS * max(len(urls), 1))
         self._relimit()
 
     def forget(self, url: str) -> None:
@@ -180,7 +190,11 @@ class CacheAware:
         tokens = rules.engine_cache_tokens
         if tokens is None and rules.reported:
             tokens = self._reported.get(url)
-        return None if tokens is None else int(tokens * self._bytes_per_token)
+        if tokens is None:
+            return None
+        # Never under one prompt's worth (config/models.py refuses such a figure; a tiny
+        # report or a learnt figure must not make every prompt evict itself).
+        return max(int(tokens * self._bytes_per_token), MIN_CACHE_BYTES)
 
     def _relimit(self) -> None:
         for url in self._members:
@@ -240,7 +254,8 @@ class CacheAware:
             least = self._least_loaded(candidates)
             self._count(least.url, NO_PROMPT, 0, 0)
             return least
-        least = self._place(candidates)
+        lightest = self._least_loaded(candidates)
+        least = self._place(candidates, lightest) if rules.place_by_pressure else lightest
         index = self._index
         best = least
         best_blocks = index.matched(least.url, names)
@@ -256,7 +271,7 @@ class CacheAware:
             chosen, decision = least, UNMATCHED
             matched = index.matched(least.url, names)
             matched = ends[matched - 1] if matched else 0
-        elif best is not least and rules.balance.overloaded(best.inflight, least.inflight):
+        elif best is not least and rules.balance.overloaded(best.inflight, lightest.inflight):
             chosen, decision = least, BALANCED
             held = index.matched(least.url, names)
             matched = ends[held - 1] if held else 0
@@ -267,7 +282,7 @@ class CacheAware:
         self._press(chosen.url, considered)
         return chosen
 
-    def _place(self, candidates: Sequence[C]) -> C:
+    def _place(self, candidates: Sequence[C], least: C) -> C:
         """Where a request that no backend holds enough of goes: the least loaded, unless
         every backend near it in load has had more prompt bytes sent to it lately than
         its cache holds. New work then goes to the least pressed of those (within
@@ -276,9 +291,9 @@ class CacheAware:
 
         In the virtual-time replay of the routing trace (bench/routing_replay.py, 8 seeds)
         with engines caching 1/32 of the working set it took the hit rate from 0.462 to
-        0.528 (agents' sessions 0.28 to 0.38); at 1/16 0.768 to 0.759, at 1/8 0.839 to
-        0.839. Where any engine's size is unknown, load alone decides."""
-        least = self._least_loaded(candidates)
+        0.505 (agents' sessions 0.28 to 0.35); at 1/16 from 0.768 to 0.761, at 1/8 from
+        0.839 to 0.838, both within the spread of full runs. Where any engine's size is
+        unknown, load alone decides; `place_by_pressure: false` turns it off."""
         pressure = self._pressure
         if not pressure:
             return least
@@ -301,7 +316,7 @@ class CacheAware:
         scale = self._scale
         pressure = self._pressure
         pressure[url] = pressure.get(url, 0.0) + considered * scale
-        scale /= _PRESSURE_DECAY
+        scale /= self._decay
         if scale > _RESCALE_AT:
             for u in pressure:
                 pressure[u] /= scale

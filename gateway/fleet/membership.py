@@ -67,6 +67,7 @@ def make_balancer(cfg: BackendsConfig, name: str | None = None) -> Balancer:
             engine_cache_tokens=tokens if isinstance(tokens, int) else None,
             reported=tokens == "reported",
             bytes_per_token=c.bytes_per_token,
+            place_by_pressure=c.place_by_pressure,
         )
         return CacheAware(rules, cfg.seed)
     if name == "consistent_hash":

@@ -36,8 +36,8 @@ gateway/fleet/cache_aware.py): its blocks are then bounded by the prompt bytes t
 for too, evicted least recently used first as the engine's own cache evicts, so the index
 holds what the engine can still hold and a prefix it has evicted stops drawing requests to
 it. In a replay of the routing trace (bench/routing_replay.py, 8 seeds) with each engine
-caching 1/16 of the working set, the true size took the hit rate from 0.727 to 0.765 and
-the uncached imbalance from 1.31 to 1.09; 0.6x the true size lost hits (0.696), 1.5x changed
+caching 1/16 of the working set, the true size took the hit rate from 0.727 to 0.769 and
+the uncached imbalance from 1.31 to 1.07; 0.6x the true size lost hits (0.696), 1.5x changed
 nothing (0.735); with caches of 1/8 and more nothing changed.
 """
 

@@ -7,6 +7,7 @@ import itertools
 import random
 
 import pytest
+import yaml
 
 from gateway.config import BackendsConfig, CacheAwareConfig
 from gateway.contract.prompt import SEARCH_BYTES, prompt_start
@@ -15,6 +16,7 @@ from gateway.fleet.balancers import BalanceRule, ConsistentHash
 from gateway.fleet.cache_aware import (
     BALANCED,
     MATCHED,
+    MIN_CACHE_BYTES,
     NO_PROMPT,
     UNMATCHED,
     CacheAware,
@@ -304,6 +306,17 @@ def test_an_engine_size_too_small_to_hold_a_prompt_is_refused() -> None:
         CacheAwareConfig(engine_cache_tokens=100)
     with pytest.raises(ValueError):
         CacheAwareConfig(engine_cache_tokens="auto")  # type: ignore[arg-type]
+    # A bare `off` in YAML is false; `on`, or a flag for bytes, is no size.
+    assert CacheAwareConfig(**yaml.safe_load("engine_cache_tokens: off")).engine_cache_tokens == (
+        "off"
+    )
+    for flag in ("engine_cache_tokens: on", "bytes_per_token: true"):
+        with pytest.raises(ValueError):
+            CacheAwareConfig(**yaml.safe_load(flag))
+    # What an engine reports, or a learnt figure, never bounds a backend under a prompt.
+    ca = balancer(bytes_per_token=0.5)
+    ca.report(URLS[0], 1000)
+    assert ca.cache_limit(URLS[0]) == MIN_CACHE_BYTES
 
 
 def test_each_engine_is_bounded_by_the_size_it_reports() -> None:
@@ -490,37 +503,57 @@ def test_new_work_goes_where_the_cache_is_least_pressed() -> None:
     the backends near it in load have all turned over lately: then to the least pressed
     (prompt bytes sent lately over the bytes its cache holds), within 3 in flight."""
     ca = balancer(bytes_per_token=1.0)
-    a, b = backends = fleet(2)
-    ca.set_members(URLS[:2])
-    fresh = (words(200, 900 + i) for i in range(10**6))
-    # Sizes unknown: load alone decides, however much was sent where.
+    a, b, c = backends = fleet(3)
+    ca.set_members(URLS[:3])
+    fresh = (words(200, 900 + i) for i in range(10**6))  # ~1.6 KB each
     for _ in range(20):
         ca.choose_prompt([a], next(fresh), 0)
-    b.inflight = 1
-    assert ca.choose_prompt(backends, next(fresh), 0) is a
-    # Both report 1,000 tokens (1,000 bytes here); a was sent ~30 KB lately, b ~2 KB.
+    for _ in range(6):
+        ca.choose_prompt([b], next(fresh), 0)
+    # a and b report 1,000 tokens (4,096 bytes, the floor); c says nothing. a was sent
+    # the most lately, b less, both more than their caches hold.
     ca.report(a.url, 1000)
     ca.report(b.url, 1000)
-    for _ in range(2):
-        ca.choose_prompt([b], next(fresh), 0)
+    b.inflight, c.inflight = 1, 2
+    # c's size is unknown and it is near in load: load alone decides.
+    assert ca.choose_prompt(backends, next(fresh), 0) is a
+    c.inflight = 5  # past the slack: c is out of the question
     for b.inflight in (1, 3):
         assert ca.choose_prompt(backends, next(fresh), 0) is b  # b is least pressed
-        ca.choose_prompt([a], next(fresh), 0)  # a stays the more pressed
+        for _ in range(3):
+            ca.choose_prompt([a], next(fresh), 0)  # a stays the more pressed
     b.inflight = 4  # past the slack: the least loaded after all
     assert ca.choose_prompt(backends, next(fresh), 0) is a
-    # A prefix one of them holds still goes there: pressure only places new work.
+    # The balance rule is still asked against the least loaded, not the placement: a
+    # holds this prompt, is 9 over c (the least loaded), and loses it to c's load.
     held = next(fresh)
     ca.choose_prompt([a], held, 0)
-    b.inflight = 0
-    assert ca.choose_prompt(backends, held + b" more", 0) is a
-    # Pressure fades: after 200 prompts to b alone, a's turnover is under its cache and
-    # load decides again (b is the least loaded, however pressed).
-    assert ca._pressure[a.url] / ca._scale > 1000
-    for _ in range(200):
+    a.inflight, b.inflight, c.inflight = 9, 4, 0
+    assert ca.choose_prompt(backends, held + b" more", 0) is c
+    # A prefix one of them holds still goes there: pressure only places new work.
+    mine = next(fresh)
+    ca.choose_prompt([a], mine, 0)
+    a.inflight = 1
+    assert ca.choose_prompt(backends, mine + b" more", 0) is a
+    # Pressure fades: after many prompts to b alone, a's turnover is under its cache and
+    # load decides again (c, the least loaded, is back in the slack but a is lighter).
+    assert ca._pressure[a.url] / ca._scale > 4096
+    for _ in range(300):
         ca.choose_prompt([b], next(fresh), 0)
-    assert ca._pressure[a.url] / ca._scale < 1000
-    a.inflight, b.inflight = 1, 0
+    assert ca._pressure[a.url] / ca._scale < 4096
+    a.inflight, b.inflight, c.inflight = 1, 0, 5
     assert ca.choose_prompt(backends, next(fresh), 0) is b
+    # Off: load alone, however pressed.
+    off = balancer(bytes_per_token=1.0, place_by_pressure=False)
+    off.set_members(URLS[:2])
+    for u in URLS[:2]:
+        off.report(u, 1000)
+    for _ in range(20):
+        off.choose_prompt([a], next(fresh), 0)
+    for _ in range(6):
+        off.choose_prompt([b], next(fresh), 0)
+    a.inflight, b.inflight = 0, 1
+    assert off.choose_prompt(backends[:2], next(fresh), 0) is a
 
 
 def test_caches_not_pressed_are_placed_by_load() -> None:
@@ -537,9 +570,28 @@ def test_caches_not_pressed_are_placed_by_load() -> None:
     ca.forget(a.url)
     assert a.url not in ca._pressure
     # Kept scaled up and rescaled now and then, it stays the decayed sum: for one prompt
-    # size sent again and again, 49 of them (0.98 / (1 - 0.98)).
+    # size sent again and again, 24 of them with 2 members (d / (1 - d), d = 1 - 1 / 25).
     prompt = words(200, 7)
     for _ in range(3000):
         ca.choose_prompt([b], prompt, 0)
     assert 1 <= ca._scale < 1e12
-    assert ca._pressure[b.url] / ca._scale == pytest.approx(49 * len(prompt), rel=1e-6)
+    assert ca._pressure[b.url] / ca._scale == pytest.approx(24 * len(prompt), rel=1e-6)
+
+
+def test_the_balance_rule_is_asked_against_the_least_loaded_not_the_placement() -> None:
+    ca = balancer(bytes_per_token=1.0)
+    a, b, c = backends = fleet(3)
+    ca.set_members(URLS[:3])
+    for u in URLS[:3]:
+        ca.report(u, 1000)
+    fresh = (words(200, 5000 + i) for i in range(10**6))
+    for target, n in ((a, 20), (c, 12), (b, 6)):  # every cache pressed, b the least
+        for _ in range(n):
+            ca.choose_prompt([target], next(fresh), 0)
+    held = next(fresh)
+    ca.choose_prompt([a], held, 0)
+    a.inflight, b.inflight, c.inflight = 9, 3, 0
+    # a holds it but is 9 over c, the least loaded: balanced away, and placed on b, the
+    # least pressed within the slack (a rule asked against b, 6 under a, would keep a).
+    assert ca.choose_prompt(backends, held + b" more", 0) is b
+    assert ca.stats[b.url].decisions[BALANCED] == 1

@@ -1574,6 +1574,13 @@ MUTATIONS = [
         ["tests/fleet/test_cache_aware.py"],
     ),
     (
+        "the balance rule is asked against the placement instead of the least loaded",
+        "gateway/fleet/cache_aware.py",
+        "rules.balance.overloaded(best.inflight, lightest.inflight)",
+        "rules.balance.overloaded(best.inflight, least.inflight)",
+        ["tests/fleet/test_cache_aware.py"],
+    ),
+    (
         "pressure is rescaled without its scale",
         "gateway/fleet/cache_aware.py",
         "                pressure[u] /= scale",
