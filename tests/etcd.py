@@ -112,6 +112,10 @@ def client_ssl(pki: Pki) -> ssl.SSLContext:
     return context
 
 
+class _PortTaken(AssertionError):
+    """etcd could not bind its port: another process took it first."""
+
+
 class EtcdServer:
     """One single-member etcd; `stop` and `start` again keep its data (a restart)."""
 
@@ -119,16 +123,40 @@ class EtcdServer:
         self.binary = binary
         self.data_dir = data_dir
         self.tls = tls
-        self.client_port = free_port()
-        self.peer_port = free_port()
-        scheme = "https" if tls is not None else "http"
-        self.url = f"{scheme}://127.0.0.1:{self.client_port}"
+        self.client_port = self.peer_port = 0
+        self.url = ""
+        self._ports(free_port(), free_port())
+        self._started = False
         # This helper's own requests: as a client etcd accepts.
         self._ssl: ssl.SSLContext | bool = client_ssl(tls) if tls is not None else True
         self.proc: asyncio.subprocess.Process | None = None
         self.log = data_dir.parent / "etcd.log"
 
     async def start(self) -> None:
+        # free_port() only finds a port free a moment ago: another process of a full run
+        # can take it before etcd binds it (a fresh-clone CI run lost one so). A first
+        # start moves to new ports; a restart keeps its URL, which clients hold.
+        for attempt in range(3):
+            try:
+                await self._launch()
+                self._started = True
+                return
+            except _PortTaken:
+                if attempt == 2:
+                    raise
+                if self._started:
+                    await asyncio.sleep(0.5)
+                else:
+                    # The failed start may have written a member with the old peer URL.
+                    shutil.rmtree(self.data_dir, ignore_errors=True)
+                    self._ports(free_port(), free_port())
+
+    def _ports(self, client: int, peer: int) -> None:
+        self.client_port, self.peer_port = client, peer
+        scheme = "https" if self.tls is not None else "http"
+        self.url = f"{scheme}://127.0.0.1:{self.client_port}"
+
+    async def _launch(self) -> None:
         peer = f"http://127.0.0.1:{self.peer_port}"
         tls = self.tls
         secured = (
@@ -141,6 +169,7 @@ class EtcdServer:
             if tls is not None
             else []
         )
+        logged = len(self.log.read_text()) if self.log.exists() else 0  # this launch's lines
         with self.log.open("ab") as out:
             self.proc = await asyncio.create_subprocess_exec(
                 self.binary,
@@ -161,7 +190,11 @@ class EtcdServer:
             )
         async with aiohttp.ClientSession() as s, asyncio.timeout(20):
             while True:
-                assert self.proc.returncode is None, self.log.read_text()[-2000:]
+                if self.proc.returncode is not None:
+                    tail = self.log.read_text()[logged:][-2000:]
+                    if "address already in use" in tail:
+                        raise _PortTaken(tail)
+                    raise AssertionError(tail)
                 try:
                     async with s.get(self.url + "/health", ssl=self._ssl) as r:
                         if (
