@@ -104,19 +104,21 @@ async def test_two_64_mib_bodies_at_once_never_stall_the_loop_for_long() -> None
     # (docs/hardening.md, "Loop stall with large bodies"). The join on the loop alone
     # takes 50 ms, the skim without its pauses 500.
     #
-    # The better of two runs is held to the bound: a step that runs long does so in every
-    # run, while a turn the machine took from the test comes once: a fresh-clone CI run of
-    # the whole suite read 52.5 ms in one turn of a probe that stays under 15 ms when run
-    # alone and beside two busy loops.
+    # The best of three runs is held to 40 ms: a step that runs long does so in every
+    # run, while turns the loaded machine took from the test vary. Fresh-clone CI runs of
+    # the whole suite read 52.5 ms in one run (the next one passed), and 30.0 and 53.6 ms
+    # in two runs of another, where the probe stays under 15 ms alone and beside two busy
+    # loops. 40 ms still fails the join moved back onto the loop (50 ms in every run) and
+    # the skim without its pauses (500).
     runs: list[LoopTurns] = []
-    for _ in range(2):
+    for _ in range(3):
         probe = await spawn("tests.hardening.loop_probe", stdout=asyncio.subprocess.PIPE)
         out, _ = await probe.communicate()
         assert probe.returncode == 0
         runs.append(LoopTurns(**json.loads(out)))
         if runs[-1].worst_cpu < 0.025:
             break
-    assert min(run.worst_cpu for run in runs) < 0.025, "; ".join(map(str, runs))
+    assert min(run.worst_cpu for run in runs) < 0.040, "; ".join(map(str, runs))
 
 
 @pytest.mark.heavy
