@@ -176,14 +176,17 @@ def _cache_tokens(data: Mapping[str, Any]) -> int | None:
     """The radix cache lives in the KV pool (max_total_num_tokens, per data-parallel rank,
     each rank with a cache of its own). A hierarchical cache keeps more in host memory, so
     its pool says too little: unknown; without a radix cache there is nothing to bound."""
-    pool, ranks = data.get("max_total_num_tokens"), data.get("dp_size", 1)
-    if not isinstance(pool, int) or isinstance(pool, bool) or pool <= 0:
+    pool, ranks = _positive(data.get("max_total_num_tokens")), _positive(data.get("dp_size"))
+    if pool is None:
         return None
     if data.get("enable_hierarchical_cache") is True or data.get("disable_radix_cache") is True:
         return None
-    return pool * (
-        ranks if isinstance(ranks, int) and not isinstance(ranks, bool) and ranks > 0 else 1
-    )
+    return pool * (ranks or 1)
+
+
+def _positive(value: object) -> int | None:
+    """A count as JSON carries it: an int above 0 (JSON's true is no count)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 _RELEASE: Final = re.compile(r"v?(\d+)\.(\d+)\.(\d+)")
