@@ -159,11 +159,11 @@ class ServerInfo:
             value = data.get(key)
             return value if isinstance(value, str) else None
 
-        cap = data.get("sampling_mask_max_tokens")
         speculative = text("speculative_algorithm")
         return cls(
             version=text("version"),
-            sampling_mask_max_tokens=cap if isinstance(cap, int) and cap > 0 else None,
+            # JSON true is no cap: read as 1, it would refuse every top_k over 1.
+            sampling_mask_max_tokens=_positive(data.get("sampling_mask_max_tokens")),
             # SGLang reports "NONE" or null when it is off, depending on the release.
             speculative_algorithm=None if speculative in (None, "", "NONE") else speculative,
             sampling_backend=text("sampling_backend"),

@@ -34,6 +34,7 @@ import orjson
 
 from gateway.config import normalize_backend_url
 from gateway.contract.routes import PER_ENGINE_ROUTES, WORKER_PATH
+from gateway.fleet.cache_aware import DECISIONS
 from gateway.fleet.membership import Fleet
 from gateway.fleet.pool import Backend, Health, worker_id
 from gateway.fleet.registry import RegistryError
@@ -71,6 +72,7 @@ def _worker(fleet: Fleet, backend: Backend) -> dict[str, Any]:
         "inflight": backend.inflight,
         "worker_type": backend.worker_type,
         **_pd_counters(fleet, backend),
+        **_cache_aware_counters(fleet, backend),
         "lora_adapters": sorted(backend.adapters),
         # SMG's names for the same (sgl-model-gateway WorkerInfo), for its clients.
         "is_healthy": backend.health is Health.HEALTHY,
@@ -86,6 +88,26 @@ def _pd_counters(fleet: Fleet, backend: Backend) -> dict[str, Any]:
     stats = pd.stats.get(backend.url)
     counters = {"paired": stats.paired if stats else 0, "failed": stats.failed if stats else 0}
     return {"bootstrap_port": backend.bootstrap_port, "pd": counters}
+
+
+def _cache_aware_counters(fleet: Fleet, backend: Backend) -> dict[str, Any]:
+    """What cache_aware sent the worker and why, and what it remembers the worker holds
+    (the same figures as the sglang_gateway_cache_aware_* series); none with another
+    balancer."""
+    prefix = fleet.pool.prefix_of(backend)
+    if prefix is None:
+        return {}
+    url = backend.url
+    stats = prefix.stats.get(url)
+    return {
+        "cache_aware": {
+            "decisions": dict(stats.decisions) if stats else dict.fromkeys(DECISIONS, 0),
+            "matched_bytes": stats.matched_bytes if stats else 0,
+            "prompt_bytes": stats.prompt_bytes if stats else 0,
+            "index_blocks": prefix.held_blocks(url),
+            "cache_limit_bytes": prefix.cache_limit(url),
+        }
+    }
 
 
 def _listing(fleet: Fleet) -> dict[str, Any]:

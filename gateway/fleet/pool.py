@@ -339,6 +339,23 @@ class BackendPool:
             found += [b for b in self.pd.balancers() if isinstance(b, CacheAware)]
         return found
 
+    def prefix_of(self, b: Backend) -> CacheAware | None:
+        """The cache_aware balancer that routes to `b` (its role's on a PD fleet), if any."""
+        if b.plain or self.pd is None:
+            return self.prefix
+        balancer = self.pd.balancer(b.worker_type)
+        return balancer if isinstance(balancer, CacheAware) else None
+
+    def prompt_balancer(self) -> CacheAware | None:
+        """The cache_aware balancer prompts reach first: a PD fleet's prefill side (where
+        the cache lives), else its decode side, else the plain one."""
+        if self.pd is not None:
+            for role in ROLES:
+                balancer = self.pd.balancer(role)
+                if isinstance(balancer, CacheAware):
+                    return balancer
+        return self.prefix
+
     def _reprofile(self) -> None:
         # A backend of unknown release gets every known rule at once, with the smallest cap
         # any member runs: it may be any of them.

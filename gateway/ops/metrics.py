@@ -324,14 +324,19 @@ class _CacheAwareCollector(Collector):
         return list(self._families())
 
     def collect(self) -> Iterable[Metric]:
-        prefix = self._pool.prefix
-        if prefix is None:
+        pool = self._pool
+        first = pool.prompt_balancer()
+        if first is None:
             return ()
         families = self._families()
         decisions, matched, prompt, blocks, limits, per_token = families
-        per_token.add_metric([], prefix.bytes_per_token)
-        members = [b.url for b in self._pool.backends]
-        for url in members:
+        per_token.add_metric([], first.bytes_per_token)
+        for b in pool.backends:
+            # On a PD fleet each worker is routed by its role's balancer.
+            prefix = pool.prefix_of(b)
+            if prefix is None:
+                continue
+            url = b.url
             stats = prefix.stats.get(url) or RouteStats()
             for decision in DECISIONS:
                 decisions.add_metric([url, decision], float(stats.decisions[decision]))

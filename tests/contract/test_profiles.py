@@ -193,6 +193,9 @@ def test_profiles_from_server_info() -> None:
         MaskRule.STRICT, 4096
     )
     assert ServerInfo.from_json({"sampling_mask_max_tokens": "64"}).sampling_mask_max_tokens is None
+    # JSON's true is a bool, not a cap of 1 (which would refuse every top_k above 1).
+    assert ServerInfo.from_json({"sampling_mask_max_tokens": True}).sampling_mask_max_tokens is None
+    assert ServerInfo.from_json({"sampling_mask_max_tokens": 0}).sampling_mask_max_tokens is None
 
 
 def test_pinned_profiles() -> None:

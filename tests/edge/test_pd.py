@@ -263,6 +263,35 @@ async def test_a_prefill_failure_is_the_prefills_answer_and_aborts_decode(
     assert sum(w["pd"]["paired"] for w in listing["workers"]) == 2
 
 
+async def test_the_prefill_side_follows_its_cached_prefix_and_says_so(
+    pairs: Pairs, make_gateway: GatewayFactory, session: aiohttp.ClientSession
+) -> None:
+    gw = await make_gateway(**pairs.config(prefill_balancer="cache_aware"))
+    convo = " ".join(f"w{i}" for i in range(600))
+    for turn in range(4):
+        convo += f" turn{turn}"
+        status, answer = await _post(session, gw, "/generate", orjson.dumps({"text": convo}))
+        assert status == 200, answer
+    # Every turn reached the prefill worker that held the conversation.
+    assert sorted(len(_pd(p).rooms) for p in pairs.prefill) == [0, 4]
+    owner = next(p for p in pairs.prefill if _pd(p).rooms)
+    async with session.get(gw_url(gw, "/workers")) as resp:
+        workers = {w["url"]: w for w in (await resp.json())["workers"]}
+    routed = workers[owner.url]["cache_aware"]
+    assert routed["decisions"] == {"matched": 3, "balanced": 0, "unmatched": 1, "no_prompt": 0}
+    assert 0 < routed["matched_bytes"] < routed["prompt_bytes"]
+    assert routed["index_blocks"] > 0
+    # The decode side is balanced by load (decode_balancer unset: backends.balancer).
+    assert all("cache_aware" not in workers[d.url] for d in pairs.decode)
+    text = await _metrics(session, gw)
+    matched = (
+        f'sglang_gateway_cache_aware_decisions_total{{backend="{owner.url}",'
+        'decision="matched"} 3.0'
+    )
+    assert matched in text
+    assert "sglang_gateway_cache_aware_bytes_per_token " in text
+
+
 async def _metrics(session: aiohttp.ClientSession, gw: Gateway) -> str:
     from tests.conftest import admin_url
 

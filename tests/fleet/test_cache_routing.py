@@ -80,6 +80,13 @@ async def test_multi_turn_sessions_stick_to_their_engine(
     for hits in cached.values():
         assert hits[0] == 0
         assert all(later > earlier for earlier, later in itertools.pairwise(hits))
+    # GET /workers says why each engine got its share: 8 first turns unmatched, 32 matched.
+    async with session.get(gw_url(gw, "/workers")) as r:
+        routed = [w["cache_aware"] for w in (await r.json())["workers"]]
+    assert sum(w["decisions"]["unmatched"] for w in routed) == 8
+    assert sum(w["decisions"]["matched"] for w in routed) == 32
+    assert all(w["decisions"]["balanced"] == w["decisions"]["no_prompt"] == 0 for w in routed)
+    assert sum(w["matched_bytes"] for w in routed) > 0
 
 
 async def test_least_inflight_loses_the_sessions_caches(
